@@ -1,0 +1,1 @@
+"""Framework adapters, installed as ``hyper_gen.backends``; each imports its framework lazily."""

@@ -1,0 +1,20 @@
+"""hyper_gen: one LLM ``generate()`` for PyTorch and MindSpore models.
+
+Importing this package imports neither torch nor mindspore; a backend is picked from the
+objects ``generate`` is handed.
+"""
+
+from .cache import DynamicCache, KVCache, StaticCache
+from .config import GenerationConfig
+from .generation import generate
+from .mixin import GenerateMixin
+
+__all__ = ["generate", "GenerationConfig", "KVCache", "StaticCache", "DynamicCache", "GenerateMixin", "load_model"]
+__version__ = "0.1.0"
+
+
+def load_model(*args, **kwargs):
+    """Load an HF Qwen3.5 checkpoint as a native model (see ``hyper_gen.loading.load_model``)."""
+    from .loading import load_model as _load_model
+
+    return _load_model(*args, **kwargs)

@@ -1,0 +1,53 @@
+"""Additive attention masks, built on the host.
+
+Masked entries hold the dtype's most negative *finite* value, never -inf: with -inf a
+left-padding query row is fully masked, softmax gives NaN, and the NaN reaches real tokens
+through the next layer's values (design guide, "Where we differ from the RFC").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# most negative finite value per dtype name (bfloat16 has no numpy type)
+_MIN_FINITE = {
+    "float16": float(np.finfo(np.float16).min),
+    "bfloat16": -3.3895313892515355e38,
+    "float32": float(np.finfo(np.float32).min),
+    "float64": float(np.finfo(np.float64).min),
+}
+
+
+def min_finite(dtype: str) -> float:
+    if dtype not in _MIN_FINITE:
+        raise ValueError(f"attention masks support float16, bfloat16, float32 and float64, got {dtype!r}")
+    return _MIN_FINITE[dtype]
+
+
+def _host_dtype(dtype: str):
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def prefill_mask(mask: np.ndarray, key_length: int, dtype: str) -> np.ndarray:
+    """(B, 1, S, T) causal + padding-column mask for a prompt of width S; columns >= S masked."""
+    batch, width = mask.shape
+    causal = np.tril(np.ones((width, key_length), dtype=bool))
+    visible = causal[None, :, :] & np.pad(mask.astype(bool), ((0, 0), (0, key_length - width)))[:, None, :]
+    return np.where(visible, 0.0, min_finite(dtype)).astype(_host_dtype(dtype))[:, None, :, :]
+
+
+def full_sequence_mask(mask: np.ndarray, dtype: str) -> np.ndarray:
+    """Prefill mask over a whole sequence (used by ``use_cache=False`` recomputation)."""
+    return prefill_mask(mask, mask.shape[1], dtype)
+
+
+def decode_mask(mask: np.ndarray, total_length: int, dtype: str) -> np.ndarray:
+    """(B, 1, 1, total_length): padding columns and not-yet-written positions masked.
+
+    ``mask`` covers the positions written so far; later columns start masked and the loop
+    unmasks one per step.
+    """
+    batch, width = mask.shape
+    visible = np.zeros((batch, total_length), dtype=bool)
+    visible[:, :width] = mask.astype(bool)
+    return np.where(visible, 0.0, min_finite(dtype)).astype(_host_dtype(dtype))[:, None, None, :]

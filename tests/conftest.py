@@ -1,0 +1,16 @@
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest
+
+from backend_harness import HARNESSES
+
+# the conformance suite runs on every backend listed here
+BACKENDS = ["torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return HARNESSES[request.param]()
