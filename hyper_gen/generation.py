@@ -65,7 +65,7 @@ def _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens):
         scores = ops.cast(gather_vocab_logits(ops, model, logits[:, -1]), "float32")
         if selector is None:
             selector = TokenSelector(ops, config, prompt, int(scores.shape[-1]))
-        tokens = ops.to_numpy(selector.select(scores, step, ids_view)).astype(np.int64).reshape(batch)
+        tokens = selector.select(scores, step, ids_view)
         tokens = np.where(unfinished, tokens, pad)
         generated[:, step] = tokens
         new_counts += unfinished

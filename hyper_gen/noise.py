@@ -1,24 +1,71 @@
-"""Portable sampling noise for ``seed=<int>``.
+"""Portable seeded sampling (``seed=<int>``), done on the host in float64.
 
-The noise is made on the host by numpy's Philox, a counter-based generator, keyed by the seed
-with the counter set from (row, step). It does not depend on the framework, the device, the
-parallel layout or the other rows of the batch, so the same seed gives the same tokens
-everywhere. Tokens are drawn by the exponential race ``argmax(p / q)``, q ~ Exp(1), which picks
-token i with probability p_i.
+The device hands over its candidates (the top-k scores and their token ids, or the whole
+vocabulary when ``top_k=0``); temperature, top-p, min-p and the draw then run in numpy, so the
+result does not depend on the framework, its kernels' tie order, or the device. The noise is a
+counter-based hash of (seed, row, step, token id): the same token gets the same noise whatever
+else is in the batch, whichever candidates survived, on one device or many. The draw is the
+exponential race ``argmax(p / q)``, q = -log(u) ~ Exp(1), which picks token i with probability p_i.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
-def exponential_noise(seed: int, step: int, rows: int, vocab_size: int) -> np.ndarray:
-    """(rows, vocab_size) float32 Exp(1) samples; row r depends only on (seed, r, step)."""
-    noise = np.empty((rows, vocab_size), dtype=np.float32)
-    for row in range(rows):
-        counter = np.array([0, 0, row, step], dtype=np.uint64)
-        generator = np.random.Generator(np.random.Philox(key=seed, counter=counter))
-        generator.standard_exponential(out=noise[row], dtype=np.float32)
-    # Exp(1) can be exactly 0; keep p / q finite
-    np.maximum(noise, np.finfo(np.float32).tiny, out=noise)
-    return noise
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijective avalanche on uint64."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def uniform_noise(seed: int, rows: np.ndarray, step: int, tokens: np.ndarray) -> np.ndarray:
+    """u in (0, 1), float64, one per (row, token); ``rows`` (B,), ``tokens`` (B, K)."""
+    with np.errstate(over="ignore"):
+        h = _mix(np.full(tokens.shape, np.uint64(seed) * _GOLDEN + np.uint64(1), dtype=np.uint64))
+        h = _mix(h ^ (rows.astype(np.uint64)[:, None] + _GOLDEN))
+        h = _mix(h ^ (np.uint64(step) + _GOLDEN * np.uint64(2)))
+        h = _mix(h ^ (tokens.astype(np.uint64) + _GOLDEN * np.uint64(3)))
+    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def sample_candidates(scores: np.ndarray, tokens: np.ndarray, config, step: int) -> np.ndarray:
+    """Pick one token per row from candidates ``scores`` / ``tokens`` (B, K) with HF's warper math.
+
+    Candidates are ordered by score (descending) then token id, so ties resolve the same way on
+    every backend.
+    """
+    scores = scores.astype(np.float64)
+    order = np.lexsort((tokens, -scores), axis=-1)
+    scores = np.take_along_axis(scores, order, axis=-1)
+    tokens = np.take_along_axis(tokens, order, axis=-1)
+    if config.temperature != 1.0:
+        scores = scores / config.temperature
+    if config.top_k:
+        kth = scores[:, min(config.top_k, scores.shape[1]) - 1:][:, :1]
+        scores = np.where(scores < kth, -np.inf, scores)
+    if config.top_p < 1.0:
+        # HF: ascending cumulative probability, drop cum <= 1 - top_p, always keep the best token
+        ascending = _softmax(scores)[:, ::-1]
+        cumulative = np.cumsum(ascending, axis=-1)[:, ::-1]
+        remove = cumulative <= 1 - config.top_p
+        remove[:, 0] = False
+        scores = np.where(remove, -np.inf, scores)
+    if config.min_p > 0:
+        probs = _softmax(scores)
+        scores = np.where(probs < config.min_p * probs[:, :1], -np.inf, scores)
+    probs = _softmax(scores)
+    rows = np.arange(scores.shape[0])
+    race = probs / -np.log(uniform_noise(config.seed, rows, step, tokens))
+    return tokens[rows, race.argmax(axis=-1)]

@@ -14,13 +14,17 @@ from typing import Optional
 import numpy as np
 
 from .config import GenerationConfig
-from .noise import exponential_noise
+from .noise import sample_candidates
 
 NEG_INF = -math.inf
 
 
 class TokenSelector:
-    """Turns one step's float32 scores (B, V) into next tokens (B,) on the device."""
+    """Turns one step's float32 scores (B, V) into next tokens (B,) on the host.
+
+    ``seed=None`` follows HF op for op on the device (bit-identical scores, HF's multinomial);
+    ``seed=<int>`` hands the top-k candidates to the portable host sampler (noise.py).
+    """
 
     def __init__(self, ops, config: GenerationConfig, prompt, vocab_size: int):
         self.ops = ops
@@ -42,7 +46,7 @@ class TokenSelector:
             self._seen = ops.asarray(seen, "bool")
             self._true_column = ops.asarray(np.ones((batch, 1), dtype=bool), "bool")
         self._keep_top = None
-        if config.do_sample and config.top_p < 1.0:
+        if config.do_sample and config.seed is None and config.top_p < 1.0:
             keep = np.ones((1, vocab_size), dtype=bool)
             keep[0, -1] = False  # the most probable token always survives top-p
             self._keep_top = ops.asarray(keep, "bool")
@@ -54,7 +58,7 @@ class TokenSelector:
             self._seen = self.ops.scatter(self._seen, in_vocab, self._true_column, axis=-1)
 
     def process(self, scores, step: int, input_ids_view=None):
-        """The processor chain up to (not including) the draw; returns processed scores."""
+        """Processors every strategy applies: repetition penalty, min_new_tokens, the user's."""
         ops, cfg = self.ops, self.config
         if self._seen is not None:
             penalty = cfg.repetition_penalty
@@ -64,8 +68,11 @@ class TokenSelector:
             scores = ops.where(self._eos_mask, NEG_INF, scores)
         for processor in cfg.logits_processor or ():
             scores = processor(input_ids_view, scores)
-        if not cfg.do_sample:
-            return scores
+        return scores
+
+    def warp(self, scores):
+        """HF's sampling warpers on the device: temperature -> top-k -> top-p -> min-p."""
+        ops, cfg = self.ops, self.config
         if cfg.temperature != 1.0:
             scores = scores / cfg.temperature
         if cfg.top_k != 0:
@@ -82,20 +89,21 @@ class TokenSelector:
             scores = ops.where(probs < cfg.min_p * ops.max(probs, axis=-1), NEG_INF, scores)
         return scores
 
-    def draw(self, scores, step: int):
-        """Greedy argmax, or a sample: framework RNG (HF-exact) or seeded host noise."""
+    def draw(self, scores, step: int) -> np.ndarray:
+        """(B,) host int64 tokens: greedy argmax; HF-exact framework-RNG sample; or seeded host sample."""
         ops, cfg = self.ops, self.config
         if not cfg.do_sample:
-            return ops.argmax(scores, axis=-1)
-        probs = ops.softmax(scores, axis=-1)
+            return ops.to_numpy(ops.argmax(scores, axis=-1))
         if cfg.seed is None:
-            return ops.multinomial(probs)
-        batch = probs.shape[0]
-        noise = ops.asarray(exponential_noise(cfg.seed, step, batch, self.vocab_size), "float32")
-        return ops.argmax(probs / noise, axis=-1)
+            return ops.to_numpy(ops.multinomial(ops.softmax(self.warp(scores), axis=-1)))
+        if cfg.top_k:
+            values, indices = ops.topk(scores, min(cfg.top_k, self.vocab_size))
+            return sample_candidates(ops.to_numpy(values), ops.to_numpy(indices), cfg, step)
+        host = ops.to_numpy(scores)
+        return sample_candidates(host, np.broadcast_to(np.arange(host.shape[1]), host.shape), cfg, step)
 
-    def select(self, scores, step: int, input_ids_view=None):
-        return self.draw(self.process(scores, step, input_ids_view), step)
+    def select(self, scores, step: int, input_ids_view=None) -> np.ndarray:
+        return self.draw(self.process(scores, step, input_ids_view), step).astype(np.int64).reshape(-1)
 
 
 def apply_stopping_criteria(criteria, input_ids_view, scores, batch: int) -> Optional[np.ndarray]:

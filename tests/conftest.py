@@ -8,7 +8,7 @@ import pytest
 from backend_harness import HARNESSES
 
 # the conformance suite runs on every backend listed here
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "mindspore"]
 
 
 @pytest.fixture(params=BACKENDS)
