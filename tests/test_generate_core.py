@@ -308,3 +308,24 @@ def test_bad_model_and_config_types(backend):
         generate(None, PROMPT)
     with pytest.raises(TypeError, match="generation_config"):
         generate(backend.stub(), PROMPT, {"max_new_tokens": 3})
+
+
+def test_generation_runs_without_grad(backend):
+    model = backend.stub()
+    states = []
+    original = type(model).forward if backend.name == "torch" else type(model).construct
+
+    def recording(self, *args, **kwargs):
+        if backend.name == "torch":
+            import torch
+
+            states.append(torch.is_grad_enabled())
+        else:
+            from mindspore.common.api import _pynative_executor
+
+            states.append(_pynative_executor.enable_grad())
+        return original(self, *args, **kwargs)
+
+    setattr(model, "forward" if backend.name == "torch" else "construct", recording.__get__(model))
+    generate(model, PROMPT, greedy(max_new_tokens=3))
+    assert states and not any(states)
