@@ -41,7 +41,9 @@ class MindSporeHarness:
     def __init__(self):
         import mindspore
 
-        mindspore.set_device("CPU")
+        from hyper_gen.backends.mindspore import configure
+
+        configure("CPU")
         self.ms = mindspore
 
     def stub(self, dtype="float32", **kwargs):
