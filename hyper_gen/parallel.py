@@ -4,7 +4,8 @@ A model declares it with two attributes (the native Qwen3.5 ports set them under
 a user's own tensor-parallel model sets them the same way):
 
 - ``parallel_group``: the process group its ranks share (``None`` or absent: not distributed);
-- ``vocab_parallel``: True when each rank's logits hold only its slice of the vocabulary.
+- ``vocab_parallel``: True when each rank's logits hold only its slice of the vocabulary (equal
+  blocks in rank order; ``vocab_size``, if set, trims the padding of the last block).
 
 Before the first step every rank's inputs and config are compared with one small all-gather, so
 a rank handed different prompts raises the same ``ValueError`` everywhere instead of hanging or
@@ -63,4 +64,6 @@ def gather_vocab_logits(ops, model, logits):
     group, size = parallel_group(ops, model)
     if size == 1:
         return logits
-    return ops.all_gather(logits, axis=-1, group=group)
+    gathered = ops.all_gather(logits, axis=-1, group=group)
+    vocab_size = getattr(model, "vocab_size", None)  # the shards may be padded to a multiple of tp
+    return gathered[..., :vocab_size] if vocab_size and gathered.shape[-1] > vocab_size else gathered
