@@ -44,7 +44,11 @@ class Checkpoint:
         # multimodal checkpoints keep the language model's settings under text_config
         text = self.full_config.get("text_config")
         self.config: dict = dict(text) if isinstance(text, dict) else dict(self.full_config)
-        self.config.setdefault("tie_word_embeddings", self.full_config.get("tie_word_embeddings", False))
+        # a multimodal model ties its LM head by the top-level flag (HF reads it from the
+        # top-level config); text_config's own flag is only a default there
+        if "tie_word_embeddings" in self.full_config:
+            self.config["tie_word_embeddings"] = self.full_config["tie_word_embeddings"]
+        self.config.setdefault("tie_word_embeddings", False)
         self.generation_config: dict = {}
         gen_file = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_file):
@@ -52,6 +56,7 @@ class Checkpoint:
                 self.generation_config = json.load(f)
         self._files = self._index_tensors()
         self._open: Dict[str, object] = {}
+        self._headers: Dict[str, tuple] = {}  # shard file -> (data start, parsed header), bf16 reads
 
     def _index_tensors(self) -> Dict[str, str]:
         """normalised tensor name -> (file, stored name)."""
@@ -127,19 +132,22 @@ class Checkpoint:
             axis = axis % len(shape)
             index = index[:axis] + (slice(start, stop),) + index[axis + 1:]
         if view.get_dtype() in ("BF16", "bfloat16"):
-            array = _bf16_to_float32(self._read_bf16_raw(stored, handle)[index])
+            array = _bf16_to_float32(self._read_bf16_raw(self._files[name][0], stored)[index])
         else:
             array = view[index]
         return np.ascontiguousarray(array.astype(dtype, copy=False))
 
-    def _read_bf16_raw(self, stored: str, handle) -> np.ndarray:
-        """safetensors' numpy view cannot represent bfloat16; read the raw bits instead."""
-        fname = next(f for f, s in self._files.values() if s == stored)
-        with open(fname, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
+    def _read_bf16_raw(self, fname: str, stored: str) -> np.ndarray:
+        """safetensors' numpy view cannot represent bfloat16; map the raw bits instead.
+
+        Each shard's header is parsed once: a per-expert MoE shard holds thousands of tensors."""
+        if fname not in self._headers:
+            with open(fname, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                self._headers[fname] = (8 + header_len, json.loads(f.read(header_len)))
+        data_start, header = self._headers[fname]
         meta = header[stored]
         begin, end = meta["data_offsets"]
-        raw = np.memmap(fname, dtype=np.uint16, mode="r", offset=8 + header_len + begin,
+        raw = np.memmap(fname, dtype=np.uint16, mode="r", offset=data_start + begin,
                         shape=((end - begin) // 2,))
         return raw.reshape(meta["shape"])
