@@ -12,6 +12,7 @@ Run: ``hyper-gen bench [loop|hf|models] ...`` or ``python -m hyper_gen.bench ...
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import Counter
 
@@ -210,6 +211,15 @@ def main(argv=None):
     hf.add_argument("--new-tokens", type=int, default=32)
     hf.add_argument("--repeats", type=int, default=3)
     hf.add_argument("--threads", type=int, default=0)
+    models = sub.add_parser("models", help="load_model (torch, MindSpore) vs HF generate, and the roofline")
+    models.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
+    models.add_argument("--backends", default="torch,mindspore")
+    models.add_argument("--batch", type=int, default=1)
+    models.add_argument("--prompt-len", type=int, default=32)
+    models.add_argument("--new-tokens", type=int, default=16)
+    models.add_argument("--repeats", type=int, default=2)
+    models.add_argument("--threads", type=int, default=0)
+    models.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
     args = parser.parse_args(argv)
     if args.which == "hf":
         run_hf(args)
