@@ -2,7 +2,9 @@
 
 Backend-neutral: neither torch nor mindspore is imported here at module import time; the chosen
 backend's model module (``hyper_gen.backends.<framework>.models.qwen3_5``) is imported inside
-:func:`load_model`, and every backend exposes the same ``load(checkpoint, dtype)``.
+:func:`load_model`, and every backend exposes ``load(checkpoint, dtype, ..., plan=None, group=None)``.
+With ``tp > 1`` the process group is joined here and each rank loads only its shard
+(``hyper_gen.tensor_parallel.TPPlan``).
 
 :class:`TextConfig` is the part of ``config.json`` the model needs, parsed and checked once so
 both backends build the same architecture from it (and a bad config fails with the field named).
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from hyper_gen.checkpoint import Checkpoint
+from hyper_gen.tensor_parallel import TPPlan
 
 SUPPORTED_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
@@ -164,14 +167,22 @@ def generation_defaults(checkpoint: Checkpoint) -> dict:
     return defaults
 
 
-def load_model(path, backend: str = "torch", dtype: str = "float32", device: Optional[str] = None):
+def load_model(path, backend: str = "torch", dtype: str = "float32", device: Optional[str] = None, tp: int = 1):
     """Load a Qwen3.5 checkpoint folder as a native ``backend`` model in ``dtype``.
 
     ``device``: a torch device string for ``backend="torch"`` (default CPU); for
     ``backend="mindspore"`` the MindSpore device target ("CPU", "Ascend"), which must be the one
     already selected with ``mindspore.set_device`` (default: whatever is selected).
     The model carries ``generation_defaults`` (eos/pad/bos ids from generation_config.json).
+
+    ``tp``: tensor-parallel ranks. With ``tp > 1`` every process of a ``torchrun`` (torch) or
+    ``msrun`` (MindSpore) job of exactly ``tp`` ranks calls this; the job's process group is
+    joined if not yet, the config is checked against ``TPPlan(tp, rank)`` before any weight is
+    read, and each rank reads only its slices. The tp ranks are the whole job (world == tp).
+    Pass the model to ``hyper_gen.generate`` on every rank with the same inputs.
     """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {backend!r}")
     if not isinstance(dtype, str):
@@ -189,12 +200,35 @@ def load_model(path, backend: str = "torch", dtype: str = "float32", device: Opt
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     module = importlib.import_module(f"hyper_gen.backends.{BACKENDS[backend]}.models.qwen3_5")
-    if backend == "torch":
-        model = module.load(checkpoint, dtype, device=device)
-    else:
-        model = module.load(checkpoint, dtype)
+    kwargs = {"device": device} if backend == "torch" else {}  # MindSpore: the selected device target
+    if tp > 1:
+        kwargs.update(plan=_join_tp_job(backend, tp, TextConfig.from_dict(checkpoint.config)), group=None)
+    model = module.load(checkpoint, dtype, **kwargs)
     model.generation_defaults = generation_defaults(checkpoint)
     return model
+
+
+def _join_tp_job(backend: str, tp: int, config: TextConfig) -> TPPlan:
+    """This rank's ``TPPlan`` in the launcher's job of ``tp`` ranks, the config checked against it.
+
+    The divisibility checks do not depend on the rank, so a tp that does not divide the heads
+    fails (on every rank alike) before the process group is touched."""
+    TPPlan(tp, 0).check(config)
+    from hyper_gen.distributed import host_ops, init_distributed
+
+    launcher = "torchrun --nproc_per_node" if backend == "torch" else "msrun --worker_num"
+    if not init_distributed(backend):
+        raise ValueError(
+            f"tp={tp} needs {tp} processes launched together ({launcher} {tp} ...), but this is a single "
+            "process with no process group; use tp=1 here")
+    ops = host_ops(backend)
+    world, rank = ops.world_size(), ops.rank()
+    if world != tp:
+        raise ValueError(f"tp={tp} but the job has {world} ranks: tensor parallelism spans the whole job, "
+                         f"launch it with {launcher} {tp}")
+    plan = TPPlan(tp, rank)
+    plan.check(config)
+    return plan
 
 
 def _check_device_dtype(backend: str, dtype: str, device: Optional[str]) -> Optional[str]:

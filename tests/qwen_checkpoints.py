@@ -70,13 +70,14 @@ KINDS = ("dense", "moe", "multimodal", "multimodal_moe")
 _DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
-def _hf_config(kind: str, tie_word_embeddings: bool):
+def _hf_config(kind: str, tie_word_embeddings: bool, text_overrides=None):
     import transformers as tf
 
     text = dict(TINY_TEXT_CONFIG)
     if kind in ("moe", "multimodal_moe"):
         text.pop("intermediate_size")
         text.update(TINY_MOE_CONFIG)
+    text.update(text_overrides or {})
     if kind == "dense":
         return tf.Qwen3_5TextConfig(**text, tie_word_embeddings=tie_word_embeddings), tf.Qwen3_5ForCausalLM
     if kind == "moe":
@@ -106,9 +107,10 @@ def _randomise(model, seed: int) -> None:
 
 
 def make_checkpoint(tmp_path, kind: str = "dense", dtype: str = "float32", fused_experts: bool = False,
-                    tie_word_embeddings: bool = False, seed: int = 0) -> str:
+                    tie_word_embeddings: bool = False, seed: int = 0, text_overrides: dict = None) -> str:
     """Write a tiny random HF checkpoint under ``tmp_path`` and return its folder.
 
+    ``text_overrides``: text-config fields to change (e.g. ``{"num_key_value_heads": 1}``).
     The folder name encodes the arguments, so a second call with the same arguments reuses it.
     """
     if kind not in KINDS:
@@ -118,13 +120,15 @@ def make_checkpoint(tmp_path, kind: str = "dense", dtype: str = "float32", fused
     if fused_experts and "moe" not in kind:
         raise ValueError(f"fused_experts=True needs an MoE kind, got kind={kind!r}")
     name = f"{kind}-{dtype}{'-fused' if fused_experts else ''}{'-tied' if tie_word_embeddings else ''}-s{seed}"
+    if text_overrides:
+        name += "-" + "-".join(f"{key}={text_overrides[key]}" for key in sorted(text_overrides)).replace(" ", "")
     path = os.path.join(os.fspath(tmp_path), name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
 
     import torch
 
-    config, cls = _hf_config(kind, tie_word_embeddings)
+    config, cls = _hf_config(kind, tie_word_embeddings, text_overrides)
     torch.manual_seed(seed)
     model = cls(config).eval()
     _randomise(model, seed)

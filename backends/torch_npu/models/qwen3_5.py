@@ -11,9 +11,21 @@ Float32 matches to ~3e-5 on the tiny test models, where HF's chunked delta rule 
 fast). Elsewhere it fuses: q|k|v of attention, q|k|v|z of Gated DeltaNet and gate|up of every MLP
 are one matmul each (bitwise the same as separate matmuls at real model sizes).
 
-Tensor-parallel layout: every fused weight is assembled at load time from named row segments
-(``_Loader.rows``), attention and Gated DeltaNet heads, conv channels and experts' intermediate
-rows are whole-head / whole-segment slices, so a rank can later load its slice of each segment.
+Tensor parallelism (``load(checkpoint, dtype, device, plan=TPPlan(tp, rank), group=None)``, under
+torchrun): each rank reads only its slices with ``Checkpoint.get_slice``, exactly as
+``hyper_gen.tensor_parallel.TPPlan`` assigns them (``plan.check`` runs before any weight is read).
+Every fused weight is assembled from named row segments (``_Loader.rows``), so a rank's q|k|v
+(attention), q|k|v|z (Gated DeltaNet) and gate|up (MLP, experts) are its slice of each segment:
+query(+gate) heads and K/V heads (K/V replicated when fewer than ranks), Gated DeltaNet key heads
+with their value heads (conv channels, b/a rows, A_log, dt_bias), MLP / expert / shared-expert
+intermediate dims; o_proj, out_proj and down_proj are split by columns (row-parallel). The router,
+the shared-expert gate and every norm weight are replicated. A decoder layer sums its mixer's and
+its MLP's partial outputs with one ``torch.distributed.all_reduce`` each; the vocab-parallel
+embedding (ids outside this rank's block masked, local lookup) with one more. The LM head returns
+this rank's block of ``plan.padded_vocab(V) // tp`` logits (rows past V are zero); the model's
+``parallel_group`` / ``vocab_parallel`` / ``vocab_size`` tell generate() to all-gather and trim
+them. Per decode step: ``2 * num_hidden_layers + 1`` all-reduces of (B, 1, hidden) and one
+all-gather of the (B, padded V / tp) logits (``hyper_gen.tp_traffic``).
 """
 
 from __future__ import annotations
@@ -22,12 +34,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from hyper_gen.backends.torch_npu import npu_available
 from hyper_gen.checkpoint import Checkpoint
 from hyper_gen.loading import TextConfig, generation_defaults
+from hyper_gen.tensor_parallel import TPPlan
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -100,11 +114,13 @@ class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj emits, per head, [query (D) | gate (D)];
     output = o_proj(attention * sigmoid(gate)). Zero-centred q/k RMSNorm, partial rotary, GQA."""
 
-    def __init__(self, config: TextConfig, layer_idx: int):
+    def __init__(self, config: TextConfig, layer_idx: int, plan: TPPlan):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        q_start, q_stop = plan.block(config.num_attention_heads, "num_attention_heads")
+        kv_start, kv_stop = plan.kv_heads(config.num_key_value_heads, config.num_attention_heads)
+        self.num_heads = q_stop - q_start  # this rank's heads (all of them at tp 1)
+        self.num_kv_heads = kv_stop - kv_start
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         d, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
@@ -217,11 +233,13 @@ class GatedDeltaNet(nn.Module):
     in float32.
     """
 
-    def __init__(self, config: TextConfig, layer_idx: int):
+    def __init__(self, config: TextConfig, layer_idx: int, plan: TPPlan):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        k_start, k_stop = plan.block(config.linear_num_key_heads, "linear_num_key_heads")
+        v_start, v_stop = plan.block(config.linear_num_value_heads, "linear_num_value_heads")
+        self.num_k_heads = k_stop - k_start  # this rank's heads (all of them at tp 1)
+        self.num_v_heads = v_stop - v_start
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
         self.kernel_size = config.linear_conv_kernel_dim
@@ -325,15 +343,17 @@ class SparseMoE(nn.Module):
     """Softmax top-k router (top-k weights renormalised), routed SwiGLU experts, and a shared
     SwiGLU expert scaled by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, config: TextConfig):
+    def __init__(self, config: TextConfig, plan: TPPlan):
         super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        e, h = config.num_experts, config.hidden_size
+        i = _local(plan, config.moe_intermediate_size, "moe_intermediate_size")
         self.num_experts = e
         self.top_k = config.num_experts_per_tok
         self.router = nn.Parameter(torch.empty(e, h))
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # per expert: gate (I) | up (I)
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
-        self.shared_expert = SwiGLU(h, config.shared_expert_intermediate_size)
+        self.shared_expert = SwiGLU(h, _local(plan, config.shared_expert_intermediate_size,
+                                              "shared_expert_intermediate_size"))
         self.shared_expert_gate = nn.Parameter(torch.empty(1, h))
 
     def forward(self, x):
@@ -369,14 +389,35 @@ class SparseMoE(nn.Module):
 
 # -------------------------------------------------------------------------------------- model
 
+def _local(plan: TPPlan, total: int, name: str) -> int:
+    start, stop = plan.block(total, name)
+    return stop - start
+
+
+class RankSum:
+    """Sums a row-parallel partial output over the tensor-parallel group in place (one
+    all-reduce); the identity at tp 1. ``group`` None is the world group."""
+
+    def __init__(self, tp: int, group=None):
+        self.tp = tp
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, layer_idx: int):
+    def __init__(self, config: TextConfig, layer_idx: int, plan: TPPlan, rank_sum: RankSum):
         super().__init__()
         self.is_linear = config.layer_types[layer_idx] == "linear_attention"
         self.input_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mixer = GatedDeltaNet(config, layer_idx) if self.is_linear else GatedAttention(config, layer_idx)
+        self.mixer = (GatedDeltaNet if self.is_linear else GatedAttention)(config, layer_idx, plan)
         self.post_attention_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoE(config) if config.is_moe else SwiGLU(config.hidden_size, config.intermediate_size)
+        self.mlp = SparseMoE(config, plan) if config.is_moe else SwiGLU(
+            config.hidden_size, _local(plan, config.intermediate_size, "intermediate_size"))
+        self.rank_sum = rank_sum
 
     def forward(self, x, cos, sin, attention_mask, cache, prompt_mask):
         h = self.input_norm(x)
@@ -384,8 +425,8 @@ class DecoderLayer(nn.Module):
             h = self.mixer(h, cache, prompt_mask)
         else:
             h = self.mixer(h, cos, sin, attention_mask, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_norm(x))
+        x = x + self.rank_sum(h)
+        return x + self.rank_sum(self.mlp(self.post_attention_norm(x)))
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -395,20 +436,31 @@ class Qwen3_5ForCausalLM(nn.Module):
     ``{"logits": (B, S or logits_to_keep, V)}``. Outside generate() ``past_key_values`` may be
     None (no cache, unpadded batch) and ``attention_mask``/``position_ids`` None (causal, no
     padding, positions continuing from the cache).
+
+    ``tp_plan`` is the ``TPPlan`` it was built for. With ``tp_plan.tp > 1`` it also has
+    ``parallel_group`` (None: the world group) and ``vocab_parallel = True``: its logits are this
+    rank's block of ``plan.padded_vocab(vocab_size) // tp`` columns, which generate() gathers.
     """
 
     supports_cache_object = True
 
-    def __init__(self, config: TextConfig):
+    def __init__(self, config: TextConfig, plan: TPPlan = TPPlan(), group=None):
         super().__init__()
         self.config = config
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.tp_plan = plan
+        if plan.tp > 1:
+            self.parallel_group = group
+            self.vocab_parallel = True
+        self.vocab_start, vocab_stop = plan.vocab(config.vocab_size)
+        rows = vocab_stop - self.vocab_start
+        self.rank_sum = RankSum(plan.tp, group)
+        self.embed_tokens = nn.Parameter(torch.empty(rows, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, plan, self.rank_sum)
+                                    for i in range(config.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         # tied checkpoints share one (V, H) matrix between the embedding and the LM head
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size))
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(rows, config.hidden_size))
         self.register_buffer("inv_freq", torch.empty(config.rotary_dim // 2, dtype=torch.float32),
                              persistent=False)
         self.generation_defaults: dict = {}
@@ -432,7 +484,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             attention_mask = causal_mask(seq, past, total, self.dtype, input_ids.device)
         prompt_mask = cache.prompt_mask if cache is not None and past == 0 else None
 
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.inv_freq, hidden.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for layer in self.layers:
@@ -442,6 +494,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return {"logits": F.linear(hidden, head)}
+
+    def _embed(self, input_ids):
+        if self.tp_plan.tp == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        # vocab-parallel: look up the ids in this rank's block, zeros for the others, sum over ranks
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_tokens.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.rank_sum(hidden.masked_fill_(outside[..., None], 0))
 
 
 def causal_mask(seq: int, past: int, total: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -456,12 +517,16 @@ def causal_mask(seq: int, past: int, total: int, dtype: torch.dtype, device) -> 
 
 class _Loader:
     """Checkpoint tensors -> torch tensors of the model dtype on the target device, each named
-    tensor's shape checked (a missing or misshaped tensor raises ValueError naming it)."""
+    tensor's shape checked (a missing or misshaped tensor raises ValueError naming it).
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device):
+    A weight split by ``plan`` is read with ``Checkpoint.get_slice``, one range at a time, so a
+    rank never reads another rank's part; replicated weights (norms, router) are read whole."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device, plan: TPPlan):
         self.checkpoint = checkpoint
         self.dtype = dtype
         self.device = device
+        self.plan = plan
         self.read_dtype = "float64" if dtype == torch.float64 else "float32"
 
     def _check(self, name: str, shape: Sequence[int]) -> None:
@@ -472,20 +537,32 @@ class _Loader:
     def _torch(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
 
-    def array(self, name: str, shape: Sequence[int]) -> np.ndarray:
-        self._check(name, shape)
-        return self.checkpoint.get(name, self.read_dtype)
-
     def tensor(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        return self._torch(self.array(name, shape))
+        """A replicated tensor, whole."""
+        self._check(name, shape)
+        return self._torch(self.checkpoint.get(name, self.read_dtype))
 
-    def rows(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]]) -> torch.Tensor:
-        """Concatenate row ranges of several tensors: [(name, full_shape, [(start, stop), ...])]."""
+    def pieces(self, name: str, shape: Sequence[int], axis: int, ranges: List[Tuple[int, int]]) -> List[np.ndarray]:
+        """``[start:stop)`` ranges along ``axis`` of one tensor, each read alone from disk."""
+        self._check(name, shape)
+        return [self.checkpoint.get_slice(name, axis, start, stop, self.read_dtype) for start, stop in ranges]
+
+    def rows(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0) -> torch.Tensor:
+        """Concatenate ranges along ``axis`` of several tensors: [(name, full_shape, [(start, stop), ...])]."""
         pieces = []
         for name, shape, ranges in parts:
-            self._check(name, shape)
-            pieces += [self.checkpoint.get_slice(name, 0, start, stop, self.read_dtype) for start, stop in ranges]
-        return self._torch(np.concatenate(pieces, axis=0))
+            pieces += self.pieces(name, shape, axis, ranges)
+        return self._torch(np.concatenate(pieces, axis=axis))
+
+    def vocab_rows(self, name: str, vocab: int, hidden: int) -> torch.Tensor:
+        """This rank's block of embedding / LM-head rows; rows past ``vocab`` (padding) are zero."""
+        start, stop = self.plan.vocab(vocab)
+        self._check(name, (vocab, hidden))
+        real = self.checkpoint.get_slice(name, 0, start, min(stop, vocab), self.read_dtype) if start < vocab \
+            else np.zeros((0, hidden), self.read_dtype)
+        if real.shape[0] < stop - start:
+            real = np.concatenate([real, np.zeros((stop - start - real.shape[0], hidden), real.dtype)])
+        return self._torch(real)
 
 
 def _norm_scale(ld: _Loader, name: str, dim: int) -> torch.Tensor:
@@ -495,12 +572,14 @@ def _norm_scale(ld: _Loader, name: str, dim: int) -> torch.Tensor:
 
 def _load_attention(ld: _Loader, p: str, config: TextConfig, state: dict, q: str) -> None:
     h, kv, d, hid = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+    q_start, q_stop = ld.plan.block(h, "num_attention_heads")
+    kv_start, kv_stop = ld.plan.kv_heads(kv, h)
     state[q + "qkv_proj"] = ld.rows([
-        (p + "q_proj.weight", (2 * h * d, hid), [(0, 2 * h * d)]),  # per head [query | gate]
-        (p + "k_proj.weight", (kv * d, hid), [(0, kv * d)]),
-        (p + "v_proj.weight", (kv * d, hid), [(0, kv * d)]),
+        (p + "q_proj.weight", (2 * h * d, hid), [(2 * d * q_start, 2 * d * q_stop)]),  # per head [query | gate]
+        (p + "k_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
+        (p + "v_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
     ])
-    state[q + "o_proj"] = ld.tensor(p + "o_proj.weight", (hid, h * d))
+    state[q + "o_proj"] = ld.rows([(p + "o_proj.weight", (hid, h * d), [(q_start * d, q_stop * d)])], axis=1)
     for norm in ("q_norm", "k_norm"):
         state[q + norm + ".scale"] = _norm_scale(ld, p + norm + ".weight", d)
 
@@ -510,50 +589,66 @@ def _load_gated_deltanet(ld: _Loader, p: str, config: TextConfig, state: dict, q
     dk, dv, hid = config.linear_key_head_dim, config.linear_value_head_dim, config.hidden_size
     key_dim, value_dim = hk * dk, hv * dv
     conv_dim = 2 * key_dim + value_dim
-    qkv = [(0, key_dim), (key_dim, 2 * key_dim), (2 * key_dim, conv_dim)]  # q | k | v segments
+    k_start, k_stop = ld.plan.block(hk, "linear_num_key_heads")
+    v_start, v_stop = ld.plan.block(hv, "linear_num_value_heads")  # the value heads those key heads serve
+    values = [(v_start * dv, v_stop * dv)]
+    qkv = [(k_start * dk, k_stop * dk), (key_dim + k_start * dk, key_dim + k_stop * dk),  # q | k | v segments
+           (2 * key_dim + v_start * dv, 2 * key_dim + v_stop * dv)]
     state[q + "in_proj"] = ld.rows([
         (p + "in_proj_qkv.weight", (conv_dim, hid), qkv),
-        (p + "in_proj_z.weight", (value_dim, hid), [(0, value_dim)]),
+        (p + "in_proj_z.weight", (value_dim, hid), values),
     ])
-    state[q + "in_proj_b"] = ld.tensor(p + "in_proj_b.weight", (hv, hid))
-    state[q + "in_proj_a"] = ld.tensor(p + "in_proj_a.weight", (hv, hid))
+    state[q + "in_proj_b"] = ld.rows([(p + "in_proj_b.weight", (hv, hid), [(v_start, v_stop)])])
+    state[q + "in_proj_a"] = ld.rows([(p + "in_proj_a.weight", (hv, hid), [(v_start, v_stop)])])
     kernel = config.linear_conv_kernel_dim
     conv = ld.rows([(p + "conv1d.weight", (conv_dim, 1, kernel), qkv)])
-    state[q + "conv_weight"] = conv.reshape(conv_dim, kernel)
-    state[q + "dt_bias"] = ld.tensor(p + "dt_bias", (hv,))
-    a_log = ld.tensor(p + "A_log", (hv,))  # model dtype first, then float32: what HF computes with
+    state[q + "conv_weight"] = conv.reshape(conv.shape[0], kernel)
+    state[q + "dt_bias"] = ld.rows([(p + "dt_bias", (hv,), [(v_start, v_stop)])])
+    a_log = ld.rows([(p + "A_log", (hv,), [(v_start, v_stop)])])  # model dtype first, then float32 as HF
     state[q + "neg_decay_rate"] = -a_log.float().exp()
-    state[q + "norm_weight"] = ld.tensor(p + "norm.weight", (dv,))
-    state[q + "out_proj"] = ld.tensor(p + "out_proj.weight", (hid, value_dim))
+    state[q + "norm_weight"] = ld.tensor(p + "norm.weight", (dv,))  # per head dim: replicated
+    state[q + "out_proj"] = ld.rows([(p + "out_proj.weight", (hid, value_dim), values)], axis=1)
 
 
-def _load_swiglu(ld: _Loader, p: str, hidden: int, inter: int, state: dict, q: str) -> None:
+def _load_swiglu(ld: _Loader, p: str, hidden: int, inter: int, state: dict, q: str, name: str) -> None:
+    block = [ld.plan.block(inter, name)]
     state[q + "gate_up_proj"] = ld.rows([
-        (p + "gate_proj.weight", (inter, hidden), [(0, inter)]),
-        (p + "up_proj.weight", (inter, hidden), [(0, inter)]),
+        (p + "gate_proj.weight", (inter, hidden), block),
+        (p + "up_proj.weight", (inter, hidden), block),
     ])
-    state[q + "down_proj"] = ld.tensor(p + "down_proj.weight", (hidden, inter))
+    state[q + "down_proj"] = ld.rows([(p + "down_proj.weight", (hidden, inter), block)], axis=1)
 
 
 def _load_moe(ld: _Loader, p: str, config: TextConfig, state: dict, q: str) -> None:
     e, hid, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    start, stop = ld.plan.block(inter, "moe_intermediate_size")
     state[q + "router"] = ld.tensor(p + "gate.weight", (e, hid))
     if ld.checkpoint.has(p + "experts.gate_up_proj"):  # fused layout (HF's in-memory one)
-        state[q + "experts_gate_up"] = ld.tensor(p + "experts.gate_up_proj", (e, 2 * inter, hid))
-        state[q + "experts_down"] = ld.tensor(p + "experts.down_proj", (e, hid, inter))
+        state[q + "experts_gate_up"] = ld.rows(
+            [(p + "experts.gate_up_proj", (e, 2 * inter, hid), [(start, stop), (inter + start, inter + stop)])], axis=1)
+        state[q + "experts_down"] = ld.rows([(p + "experts.down_proj", (e, hid, inter), [(start, stop)])], axis=2)
     else:  # per-expert layout (what save_pretrained writes)
-        gate_up = [ld.array(f"{p}experts.{i}.{proj}.weight", (inter, hid))
-                   for i in range(e) for proj in ("gate_proj", "up_proj")]
-        state[q + "experts_gate_up"] = ld._torch(np.stack(gate_up).reshape(e, 2 * inter, hid))
-        down = [ld.array(f"{p}experts.{i}.down_proj.weight", (hid, inter)) for i in range(e)]
+        gate_up = [np.concatenate([ld.pieces(f"{p}experts.{i}.{proj}.weight", (inter, hid), 0, [(start, stop)])[0]
+                                   for proj in ("gate_proj", "up_proj")]) for i in range(e)]
+        state[q + "experts_gate_up"] = ld._torch(np.stack(gate_up))
+        down = [ld.pieces(f"{p}experts.{i}.down_proj.weight", (hid, inter), 1, [(start, stop)])[0] for i in range(e)]
         state[q + "experts_down"] = ld._torch(np.stack(down))
     _load_swiglu(ld, p + "shared_expert.", hid, config.shared_expert_intermediate_size, state,
-                 q + "shared_expert.")
+                 q + "shared_expert.", "shared_expert_intermediate_size")
     state[q + "shared_expert_gate"] = ld.tensor(p + "shared_expert_gate.weight", (1, hid))
 
 
-def load(checkpoint: Checkpoint, dtype: str = "float32", device=None) -> Qwen3_5ForCausalLM:
-    """Build the model from an opened checkpoint (``hyper_gen.checkpoint.Checkpoint``)."""
+def load(checkpoint: Checkpoint, dtype: str = "float32", device=None, plan: Optional[TPPlan] = None,
+         group=None) -> Qwen3_5ForCausalLM:
+    """Build the model from an opened checkpoint (``hyper_gen.checkpoint.Checkpoint``).
+
+    ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
+    model); ``group``: the torch.distributed group of the ``tp`` ranks (None: the world group,
+    whose size and this process's rank must then be ``tp`` and ``plan.rank``)."""
+    if plan is None:
+        plan = TPPlan()
+    if not isinstance(plan, TPPlan):
+        raise TypeError(f"plan must be a hyper_gen.tensor_parallel.TPPlan or None, got {type(plan).__name__}")
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
     if str(device).startswith("npu") and not npu_available():
@@ -563,12 +658,15 @@ def load(checkpoint: Checkpoint, dtype: str = "float32", device=None) -> Qwen3_5
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device {device!r} is not a torch device: {error}") from None
     config = TextConfig.from_dict(checkpoint.config)
-    ld = _Loader(checkpoint, TORCH_DTYPES[dtype], device)
+    plan.check(config)  # every split, before any weight is read
+    if plan.tp > 1:
+        _check_group(plan, group)
+    ld = _Loader(checkpoint, TORCH_DTYPES[dtype], device, plan)
     hid = config.hidden_size
 
-    state = {"embed_tokens": ld.tensor("model.embed_tokens.weight", (config.vocab_size, hid))}
+    state = {"embed_tokens": ld.vocab_rows("model.embed_tokens.weight", config.vocab_size, hid)}
     if not config.tie_word_embeddings:
-        state["lm_head"] = ld.tensor("lm_head.weight", (config.vocab_size, hid))
+        state["lm_head"] = ld.vocab_rows("lm_head.weight", config.vocab_size, hid)
     state["norm.scale"] = _norm_scale(ld, "model.norm.weight", hid)
     for i, kind in enumerate(config.layer_types):
         p, q = f"model.layers.{i}.", f"layers.{i}."
@@ -581,12 +679,27 @@ def load(checkpoint: Checkpoint, dtype: str = "float32", device=None) -> Qwen3_5
         if config.is_moe:
             _load_moe(ld, p + "mlp.", config, state, q + "mlp.")
         else:
-            _load_swiglu(ld, p + "mlp.", hid, config.intermediate_size, state, q + "mlp.")
+            _load_swiglu(ld, p + "mlp.", hid, config.intermediate_size, state, q + "mlp.", "intermediate_size")
 
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config)
+        model = Qwen3_5ForCausalLM(config, plan, group)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rope_theta).to(device)
     model.requires_grad_(False)
     model.generation_defaults = generation_defaults(checkpoint)
     return model.eval()
+
+
+def _check_group(plan: TPPlan, group) -> None:
+    """The group the shard all-reduces over must be the plan's ``tp`` ranks, this one at ``plan.rank``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"plan tp={plan.tp} needs an initialised torch.distributed process group: launch {plan.tp} processes "
+            f"(torchrun --nproc_per_node {plan.tp}) and load with hyper_gen.load_model(..., tp={plan.tp}), which "
+            "joins the job")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    where = "the world group" if group is None else f"group {group!r}"
+    if size != plan.tp:
+        raise ValueError(f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes")
+    if rank != plan.rank:
+        raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")
