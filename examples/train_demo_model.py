@@ -2,7 +2,7 @@
 """Train the tiny demo model bundled with hyper_gen (``hyper_gen/demo_model``), from scratch, on CPU.
 
 The model is a real ``Qwen3_5ForCausalLM`` (transformers' Qwen3.5 text architecture: hybrid Gated
-DeltaNet linear-attention + gated full-attention layers), shrunk to ~0.4M parameters, trained on the
+DeltaNet linear-attention + gated full-attention layers), shrunk to ~0.67M parameters, trained on the
 synthetic digit-reversal task of ``hyper_gen/demo_task.py`` ("rev 12345 =" -> " 54321" <eos>).
 The tokenizer is a character-level HF ``tokenizers`` tokenizer over printable ASCII.
 
@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from transformers import GenerationConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -87,6 +88,25 @@ def check_tokenizer(tokenizer):
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "rev 12 ="}],
                                          tokenize=False, add_generation_prompt=True)
     assert chat == "rev 12 =", repr(chat)
+
+
+def finish_tokenizer_files(out: str):
+    """Make the saved tokenizer readable by any loader, not only transformers 5: the chat template
+    also inside tokenizer_config.json (transformers 5 writes it to chat_template.jinja only), the
+    class named PreTrainedTokenizerFast, and a special_tokens_map.json."""
+    path = os.path.join(out, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["add_bos_token"] = False
+    cfg["add_eos_token"] = False
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    with open(os.path.join(out, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+        json.dump({"eos_token": EOS, "pad_token": PAD, "unk_token": UNK}, f, indent=2)
+        f.write("\n")
 
 
 # --------------------------------------------------------------------------- model
@@ -222,7 +242,7 @@ def evaluate_chat(model, tokenizer, pairs):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(REPO, "hyper_gen", "demo_model"))
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -277,24 +297,20 @@ def main(argv=None):
     # ---- save
     os.makedirs(args.out, exist_ok=True)
     model.eval()
-    model.generation_config.eos_token_id = eos_id
-    model.generation_config.pad_token_id = pad_id
-    model.generation_config.bos_token_id = None
-    model.generation_config.do_sample = False
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
-    special_map = os.path.join(args.out, "special_tokens_map.json")
-    if not os.path.exists(special_map):  # transformers 5 no longer writes it; older loaders read it
-        with open(special_map, "w", encoding="utf-8") as f:
-            json.dump({"eos_token": EOS, "pad_token": PAD, "unk_token": UNK}, f, indent=2)
-            f.write("\n")
+    finish_tokenizer_files(args.out)
+    for name in os.listdir(args.out):
+        os.chmod(os.path.join(args.out, name), 0o644)
 
     # ---- reload exactly what was shipped and evaluate it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     loaded = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32)
     loaded_tok = AutoTokenizer.from_pretrained(args.out)
     assert type(loaded).__name__ == "Qwen3_5ForCausalLM", type(loaded)
+    assert isinstance(loaded_tok, PreTrainedTokenizerFast), type(loaded_tok)
     check_tokenizer(loaded_tok)
     pairs = demo_task.make_prompts(args.eval_n, seed=args.eval_seed)
     t1 = time.time()
@@ -313,7 +329,7 @@ def main(argv=None):
             f"A tiny ({n_params / 1e6:.2f}M-parameter, fp32, {size_kb:.0f} KB) `Qwen3_5ForCausalLM` (Gated DeltaNet + "
             "gated attention layers) with a character-level tokenizer, trained from scratch by "
             f"`python examples/train_demo_model.py --steps {args.steps} --seed {args.seed}` "
-            f"({train_s / 60:.1f} min on {args.threads} CPU threads).\n"
+            f"({train_s / 60:.1f} min wall clock on {args.threads} CPU threads; embeddings tied, no lm_head.weight).\n"
             "Task (`hyper_gen/demo_task.py`): reverse 1-8 digits, prompt `rev 12345 =` -> completion "
             "` 54321` + `<eos>`; the chat template renders user turns as the raw prompt.\n"
             f"Held-out greedy accuracy (HF generate, {len(pairs)} prompts never seen in training): "
