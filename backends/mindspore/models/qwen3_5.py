@@ -16,6 +16,25 @@ Layout choices are for MindSpore on CPU (design guide, "MindSpore 2.10 on CPU: m
 Precision: float32 and float64 models compute everything in their own dtype; float16 models keep
 what HF upcasts (norms, softmax, rotary tables, the delta rule and its state) in float32. The
 linear-attention recurrent state is float32, or float64 in a float64 model.
+
+Tensor parallelism (``load(checkpoint, dtype, plan=TPPlan(tp, rank), group=None)``, under msrun):
+each rank reads only its slices with ``Checkpoint.get_slice``, exactly as
+``hyper_gen.tensor_parallel.TPPlan`` assigns them (``plan.check`` runs before any weight is read,
+so a tp that does not divide the heads fails at once). Attention query(+gate)/K/V heads, Gated
+DeltaNet key heads with their value heads, MLP / expert / shared-expert intermediate dims and the
+vocabulary are split; the router, the shared-expert gate and every norm weight are replicated.
+A decoder layer sums its mixer's and its MLP's row-parallel partial outputs with one all-reduce
+each; the vocab-parallel embedding (out-of-range ids masked, local gather) with one more. The LM
+head returns this rank's vocabulary block of logits, zero-padded to ``plan.padded_vocab(V)``;
+``parallel_group`` / ``vocab_parallel`` / ``vocab_size`` tell generate() to all-gather and trim
+them. Per decode step that is ``2 * num_hidden_layers + 1`` all-reduces of (B, 1, hidden) plus
+one all-gather of (B, padded V / tp) logits per rank.
+
+MindSpore's CPU AllReduce has no float64 kernel (TypeError) and its float64 AllGather silently
+rounds to float32, so a float64 model sums exactly instead: each rank's float64 bits travel as
+int32 words through AllGather (exact) and every rank adds the tp parts in rank order. That costs
+tp times the all-reduce volume and is meant for validation (float64 TP logits match one device
+to ~1e-13); float32 / float16 use the native AllReduce.
 """
 
 from __future__ import annotations
@@ -29,6 +48,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from hyper_gen.backends.mindspore.ops import MindSporeOps
 from hyper_gen.cache import DynamicCache
 from hyper_gen.loading import SUPPORTED_ARCHITECTURES, TextConfig
+from hyper_gen.tensor_parallel import TPPlan
 
 DTYPES = {"float32": ms.float32, "float64": ms.float64, "float16": ms.float16, "bfloat16": ms.bfloat16}
 _CHUNK = 64  # Gated DeltaNet prefill chunk, as HF/FLA
@@ -51,24 +71,26 @@ def _round_to(array: np.ndarray, dtype: str) -> np.ndarray:
 
 
 class _Weights:
-    """Reads a checkpoint's tensors into MindSpore parameters of the model's layout and dtype."""
+    """Reads a checkpoint's tensors (or this tensor-parallel rank's slices of them) into
+    MindSpore parameters of the model's layout and dtype."""
 
-    def __init__(self, checkpoint, dtype: str):
+    def __init__(self, checkpoint, dtype: str, plan: TPPlan):
         self.checkpoint = checkpoint
+        self.plan = plan
         self.dtype = dtype
         self.ms_dtype = DTYPES[dtype]
         self.acc = ms.float64 if dtype == "float64" else ms.float32
         self.np_read = "float64" if dtype == "float64" else "float32"
 
-    def read(self, name: str, shape) -> np.ndarray:
-        return self.checkpoint.get(name, self.np_read, shape=shape)
-
-    def read_row(self, name: str, shape, row: int) -> np.ndarray:
-        """``tensor[row]`` of a stacked tensor, reading only that part from disk."""
+    def read(self, name: str, shape, axis: int = 0, window=None) -> np.ndarray:
+        """The tensor, or only ``[start, stop)`` of it along ``axis`` when ``window`` is given
+        (read from disk without materialising the rest); the full shape is checked either way."""
+        if window is None or tuple(window) == (0, shape[axis]):
+            return self.checkpoint.get(name, self.np_read, shape=shape)
         if self.checkpoint.shape(name) != tuple(shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {self.checkpoint.shape(name)}, "
                              f"expected {tuple(shape)}")
-        return self.checkpoint.get_slice(name, 0, row, row + 1, self.np_read)[0]
+        return self.checkpoint.get_slice(name, axis, window[0], window[1], self.np_read)
 
     def param(self, array: np.ndarray) -> Parameter:
         """A checkpoint weight in the model dtype (every Parameter of the model is in it)."""
@@ -84,8 +106,28 @@ class _Weights:
         return Tensor(np.ascontiguousarray(_round_to(array, self.dtype), dtype=ms.dtype_to_nptype(self.acc)))
 
     def linear_t(self, parts: List[tuple]) -> Parameter:
-        """(out, in) checkpoint matrices [(name, shape)], concatenated along out, stored (in, out)."""
-        return self.param(np.concatenate([self.read(name, shape) for name, shape in parts], axis=0).T)
+        """(out, in) checkpoint matrices [(name, shape) or (name, shape, (start, stop) rows)],
+        concatenated along out, stored (in, out): column-parallel slices when rows are given."""
+        blocks = [self.read(name, shape, 0, rows[0] if rows else None) for name, shape, *rows in parts]
+        return self.param(np.concatenate(blocks, axis=0).T)
+
+    def row_parallel_t(self, name: str, shape, columns) -> Parameter:
+        """An (out, in) matrix's ``in`` columns [start, stop), stored (in, out): a row-parallel
+        projection whose outputs the ranks sum."""
+        return self.param(self.read(name, shape, 1, columns).T)
+
+    def vocab_rows(self, name: str, vocab: int, hidden: int) -> np.ndarray:
+        """This rank's block of a (vocab, hidden) matrix, zero rows where the block runs past the
+        real vocabulary (blocks are padded to a multiple of tp)."""
+        start, stop = self.plan.vocab(vocab)
+        real_stop = min(stop, vocab)
+        if real_stop > start:
+            rows = self.read(name, (vocab, hidden), 0, (start, real_stop))
+        else:
+            rows = np.zeros((0, hidden), self.np_read)
+        if real_stop < stop:
+            rows = np.concatenate([rows, np.zeros((stop - max(real_stop, start), hidden), rows.dtype)])
+        return rows
 
     def norm(self, name: str, size: int) -> Tensor:
         """Zero-centred RMSNorm weight as (1 + w) in the compute dtype."""
@@ -130,6 +172,31 @@ def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x_rot = x[..., :rot]
     rotated = ops.concat([-x_rot[..., half:], x_rot[..., :half]], -1)
     return ops.concat([x_rot * cos + rotated * sin, x[..., rot:]], -1)
+
+
+class _PartialSum:
+    """Sums row-parallel partial outputs over the tensor-parallel group (the identity at tp 1).
+
+    float32 / float16 use AllReduce. MindSpore's CPU AllReduce has no float64 kernel and its
+    float64 AllGather rounds to float32, so float64 bits travel as int32 words through AllGather
+    (exact) and every rank adds the parts in rank order: the same float64 sum on every rank."""
+
+    def __init__(self, tp: int, group=None):
+        self.tp = tp
+        self.group = group
+        self.ops = MindSporeOps()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.tp == 1:
+            return x
+        if x.dtype != ms.float64:
+            return self.ops.all_reduce(x, group=self.group)
+        words = x.reshape(1, -1).view(ms.int32)  # each float64 as two int32 words
+        parts = self.ops.all_gather(words, axis=0, group=self.group).view(ms.float64)  # (tp, numel)
+        total = parts[0]
+        for rank in range(1, self.tp):
+            total = total + parts[rank]
+        return total.reshape(x.shape)
 
 
 _CONSTANTS: Dict[tuple, tuple] = {}
@@ -208,24 +275,31 @@ def _recurrent_delta_rule(q, k, v, g, beta, state):
 
 
 class GatedAttention(nn.Cell):
-    """Full attention with a sigmoid output gate, per-head q/k RMSNorm, partial rotary, GQA."""
+    """Full attention with a sigmoid output gate, per-head q/k RMSNorm, partial rotary, GQA.
+
+    Under tensor parallelism this rank holds a block of query heads and the KV heads they use
+    (``num_heads`` / ``num_kv_heads`` are the local counts); its output is a partial sum."""
 
     def __init__(self, cfg: TextConfig, weights: _Weights, prefix: str, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        plan = weights.plan
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_start, q_stop = plan.block(nh, "num_attention_heads")
+        kv_start, kv_stop = plan.kv_heads(nkv, nh)
+        self.num_heads = q_stop - q_start
+        self.num_kv_heads = kv_stop - kv_start
+        self.head_dim = d
         self.acc = weights.acc
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         self.scale = _scalar(self.head_dim ** -0.5, weights.ms_dtype)
         h = cfg.hidden_size
         # q_proj emits (query, gate) per head: [q_0 | gate_0 | q_1 | gate_1 ...], kept as HF has it
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        self.qkv_t = weights.linear_t([(f"{prefix}.q_proj.weight", (nh * 2 * d, h)),
-                                       (f"{prefix}.k_proj.weight", (nkv * d, h)),
-                                       (f"{prefix}.v_proj.weight", (nkv * d, h))])
-        self.o_t = weights.linear_t([(f"{prefix}.o_proj.weight", (h, nh * d))])
+        kv_rows = (kv_start * d, kv_stop * d)
+        self.qkv_t = weights.linear_t([(f"{prefix}.q_proj.weight", (nh * 2 * d, h), (q_start * 2 * d, q_stop * 2 * d)),
+                                       (f"{prefix}.k_proj.weight", (nkv * d, h), kv_rows),
+                                       (f"{prefix}.v_proj.weight", (nkv * d, h), kv_rows)])
+        self.o_t = weights.row_parallel_t(f"{prefix}.o_proj.weight", (h, nh * d), (q_start * d, q_stop * d))
         self.q_norm = weights.norm(f"{prefix}.q_norm.weight", self.head_dim)
         self.k_norm = weights.norm(f"{prefix}.k_norm.weight", self.head_dim)
 
@@ -253,17 +327,26 @@ class GatedAttention(nn.Cell):
 
 
 class GatedDeltaNet(nn.Cell):
-    """Linear attention: causal depthwise conv, then the gated delta rule, then a gated RMSNorm."""
+    """Linear attention: causal depthwise conv, then the gated delta rule, then a gated RMSNorm.
+
+    Under tensor parallelism this rank holds a block of key heads and the value heads they serve
+    (value head j uses key head j // (num_v_heads / num_k_heads)): their q | k | v channels,
+    z / b / a rows, decay parameters and out_proj columns; the head counts are local."""
 
     def __init__(self, cfg: TextConfig, weights: _Weights, prefix: str, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_k_heads = cfg.linear_num_key_heads
-        self.num_v_heads = cfg.linear_num_value_heads
-        self.head_k_dim = cfg.linear_key_head_dim
-        self.head_v_dim = cfg.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
+        plan = weights.plan
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        k_start, k_stop = plan.block(nk, "linear_num_key_heads")
+        v_start, v_stop = plan.block(nv, "linear_num_value_heads")
+        self.num_k_heads = k_stop - k_start
+        self.num_v_heads = v_stop - v_start
+        self.head_k_dim = dk
+        self.head_v_dim = dv
+        self.key_dim = self.num_k_heads * dk
+        self.value_dim = self.num_v_heads * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
         self.acc = weights.acc
@@ -271,18 +354,25 @@ class GatedDeltaNet(nn.Cell):
         self.l2_eps = _scalar(1e-6, weights.acc)
         self.q_scale = _scalar(self.head_k_dim ** -0.5, weights.acc)
         h = cfg.hidden_size
+        # this rank's channels of the checkpoint's [q | k | v] conv channels (the full layout)
+        full_key_dim, full_value_dim = nk * dk, nv * dv
+        full_conv_dim = 2 * full_key_dim + full_value_dim
+        channels = [(k_start * dk, k_stop * dk), (full_key_dim + k_start * dk, full_key_dim + k_stop * dk),
+                    (2 * full_key_dim + v_start * dv, 2 * full_key_dim + v_stop * dv)]
+        value_rows, heads = (v_start * dv, v_stop * dv), (v_start, v_stop)
         # one projection: [q | k | v] (the conv channels) | z | b | a
-        nv = self.num_v_heads
-        self.in_proj_t = weights.linear_t([(f"{prefix}.in_proj_qkv.weight", (self.conv_dim, h)),
-                                           (f"{prefix}.in_proj_z.weight", (self.value_dim, h)),
-                                           (f"{prefix}.in_proj_b.weight", (nv, h)),
-                                           (f"{prefix}.in_proj_a.weight", (nv, h))])
-        conv = weights.read(f"{prefix}.conv1d.weight", (self.conv_dim, 1, self.kernel))
+        qkv = f"{prefix}.in_proj_qkv.weight"
+        self.in_proj_t = weights.linear_t([(qkv, (full_conv_dim, h), rows) for rows in channels] +
+                                          [(f"{prefix}.in_proj_z.weight", (full_value_dim, h), value_rows),
+                                           (f"{prefix}.in_proj_b.weight", (nv, h), heads),
+                                           (f"{prefix}.in_proj_a.weight", (nv, h), heads)])
+        conv = np.concatenate([weights.read(f"{prefix}.conv1d.weight", (full_conv_dim, 1, self.kernel), 0, rows)
+                               for rows in channels], axis=0)
         self.conv_t = weights.constant(conv[:, 0, :].T)  # (kernel, channels)
-        self.neg_a = -ops.exp(weights.constant(weights.read(f"{prefix}.A_log", (nv,))))
-        self.dt_bias = weights.constant(weights.read(f"{prefix}.dt_bias", (nv,)))
-        self.norm_weight = weights.param(weights.read(f"{prefix}.norm.weight", (self.head_v_dim,)))
-        self.out_t = weights.linear_t([(f"{prefix}.out_proj.weight", (h, self.value_dim))])
+        self.neg_a = -ops.exp(weights.constant(weights.read(f"{prefix}.A_log", (nv,), 0, heads)))
+        self.dt_bias = weights.constant(weights.read(f"{prefix}.dt_bias", (nv,), 0, heads))
+        self.norm_weight = weights.param(weights.read(f"{prefix}.norm.weight", (dv,)))
+        self.out_t = weights.row_parallel_t(f"{prefix}.out_proj.weight", (h, full_value_dim), value_rows)
 
     def _conv(self, mixed, cache):
         """Causal depthwise conv as a sum of shifted multiplies (no float64 conv1d kernel on CPU).
@@ -348,10 +438,13 @@ class MLP(nn.Cell):
         return ops.matmul(ops.silu(ops.matmul(x, self.gate_t)) * ops.matmul(x, self.up_t), self.down_t)
 
 
-def _dense_mlp(weights: _Weights, prefix: str, hidden: int, inter: int) -> MLP:
-    return MLP(weights, weights.read(f"{prefix}.gate_proj.weight", (inter, hidden)),
-               weights.read(f"{prefix}.up_proj.weight", (inter, hidden)),
-               weights.read(f"{prefix}.down_proj.weight", (hidden, inter)))
+def _dense_mlp(weights: _Weights, prefix: str, hidden: int, inter: int, name: str) -> MLP:
+    """An MLP with this rank's block of the ``inter`` (config field ``name``) dims: gate/up rows,
+    down columns (a partial output under tensor parallelism)."""
+    block = weights.plan.block(inter, name)
+    return MLP(weights, weights.read(f"{prefix}.gate_proj.weight", (inter, hidden), 0, block),
+               weights.read(f"{prefix}.up_proj.weight", (inter, hidden), 0, block),
+               weights.read(f"{prefix}.down_proj.weight", (hidden, inter), 1, block))
 
 
 class SparseMoE(nn.Cell):
@@ -359,7 +452,9 @@ class SparseMoE(nn.Cell):
 
     Routing reads the chosen expert ids on the host once per layer and runs each hit expert on
     its tokens only; experts are separate parameters (no weight copies per step), laid out so
-    expert or tensor parallelism can take a subset / slice."""
+    expert or tensor parallelism can take a subset / slice. Under tensor parallelism every
+    expert and the shared expert hold this rank's block of their intermediate dims and the
+    router is replicated, so every rank routes identically and returns a partial sum."""
 
     def __init__(self, cfg: TextConfig, weights: _Weights, prefix: str):
         super().__init__()
@@ -369,21 +464,21 @@ class SparseMoE(nn.Cell):
         # router logits | shared expert gate logit, one matmul
         self.route_t = weights.linear_t([(f"{prefix}.gate.weight", (self.num_experts, h)),
                                          (f"{prefix}.shared_expert_gate.weight", (1, h))])
-        self.shared_expert = _dense_mlp(weights, f"{prefix}.shared_expert", h, cfg.shared_expert_intermediate_size)
+        self.shared_expert = _dense_mlp(weights, f"{prefix}.shared_expert", h, cfg.shared_expert_intermediate_size,
+                                        "shared_expert_intermediate_size")
         self.acc = weights.acc
-        experts = []
         e_all = self.num_experts
+        start, stop = weights.plan.block(inter, "moe_intermediate_size")
         if weights.checkpoint.has(f"{prefix}.experts.gate_up_proj"):  # fused layout, gate rows first
-            for e in range(e_all):
-                gate_up = weights.read_row(f"{prefix}.experts.gate_up_proj", (e_all, 2 * inter, h), e)
-                down = weights.read_row(f"{prefix}.experts.down_proj", (e_all, h, inter), e)
-                experts.append(MLP(weights, gate_up[:inter], gate_up[inter:], down))
+            # this rank's rows of every expert at once (its gate block, then its up block)
+            gate_up = f"{prefix}.experts.gate_up_proj"
+            gates = weights.read(gate_up, (e_all, 2 * inter, h), 1, (start, stop))
+            ups = weights.read(gate_up, (e_all, 2 * inter, h), 1, (inter + start, inter + stop))
+            downs = weights.read(f"{prefix}.experts.down_proj", (e_all, h, inter), 2, (start, stop))
+            experts = [MLP(weights, gates[e], ups[e], downs[e]) for e in range(e_all)]
         else:  # per-expert layout (what transformers 5.23 save_pretrained writes)
-            for e in range(self.num_experts):
-                p = f"{prefix}.experts.{e}"
-                experts.append(MLP(weights, weights.read(f"{p}.gate_proj.weight", (inter, h)),
-                                   weights.read(f"{p}.up_proj.weight", (inter, h)),
-                                   weights.read(f"{p}.down_proj.weight", (h, inter))))
+            experts = [_dense_mlp(weights, f"{prefix}.experts.{e}", h, inter, "moe_intermediate_size")
+                       for e in range(e_all)]
         self.experts = nn.CellList(experts)
 
     def construct(self, x):
@@ -411,7 +506,9 @@ class SparseMoE(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: TextConfig, weights: _Weights, layer_idx: int):
+    """Mixer and MLP residual blocks; ``partial_sum`` adds up their row-parallel outputs."""
+
+    def __init__(self, cfg: TextConfig, weights: _Weights, layer_idx: int, partial_sum: _PartialSum):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.is_attention = cfg.layer_types[layer_idx] == "full_attention"
@@ -420,19 +517,20 @@ class DecoderLayer(nn.Cell):
         else:
             self.mixer = GatedDeltaNet(cfg, weights, f"{prefix}.linear_attn", layer_idx)
         self.mlp = (SparseMoE(cfg, weights, f"{prefix}.mlp") if cfg.is_moe else
-                    _dense_mlp(weights, f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size))
+                    _dense_mlp(weights, f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, "intermediate_size"))
         self.input_norm = weights.norm(f"{prefix}.input_layernorm.weight", cfg.hidden_size)
         self.post_attention_norm = weights.norm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
+        self.partial_sum = partial_sum
 
     def construct(self, x, cos, sin, attention_mask, cache):
         h = _rms_norm(x, self.input_norm, self.eps)
         if self.is_attention:
-            x = x + self.mixer(h, cos, sin, attention_mask, cache)
+            x = x + self.partial_sum(self.mixer(h, cos, sin, attention_mask, cache))
         else:
-            x = x + self.mixer(h, cache)
+            x = x + self.partial_sum(self.mixer(h, cache))
         h = _rms_norm(x, self.post_attention_norm, self.eps)
-        return x + self.mlp(h)
+        return x + self.partial_sum(self.mlp(h))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,23 +540,35 @@ class DecoderLayer(nn.Cell):
 class Qwen3_5ForCausalLM(nn.Cell):
     """Qwen3.5 / Qwen3.5-MoE language model implementing docs/model_contract.md (cache objects).
 
-    ``config`` is the parsed ``hyper_gen.loading.TextConfig``; ``vocab_size`` the logits width;
-    ``dtype`` the model dtype (every Parameter is in it; compute-dtype constants are Tensors).
+    ``config`` is the parsed ``hyper_gen.loading.TextConfig``; ``vocab_size`` the true vocabulary
+    size; ``dtype`` the model dtype (every Parameter is in it; compute-dtype constants are Tensors);
+    ``tp_plan`` the ``TPPlan`` it was loaded with. With ``tp_plan.tp > 1`` it also has
+    ``parallel_group`` (None: the world group) and ``vocab_parallel = True``: its logits are this
+    rank's block of ``plan.padded_vocab(vocab_size) // tp`` columns (generate() gathers them).
     """
 
     supports_cache_object = True
 
-    def __init__(self, cfg: TextConfig, weights: _Weights):
+    def __init__(self, cfg: TextConfig, weights: _Weights, group=None):
         super().__init__()
+        plan = weights.plan
         self.config = cfg
         self.vocab_size = cfg.vocab_size
+        self.tp_plan = plan
         h, v = cfg.hidden_size, cfg.vocab_size
+        start, stop = plan.vocab(v)
+        self.vocab_start, self.vocab_stop = start, min(stop, v)  # the real ids this rank embeds
         # (hidden, vocab) for the fast `x @ W`; a tied model embeds by gathering its columns
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        self.lm_head_t = weights.param(weights.read(head, (v, h)).T)
+        self.lm_head_t = weights.param(weights.vocab_rows(head, v, h).T)
         self.embed_tokens = None if cfg.tie_word_embeddings else weights.param(
-            weights.read("model.embed_tokens.weight", (v, h)))
-        self.layers = nn.CellList([DecoderLayer(cfg, weights, i) for i in range(cfg.num_hidden_layers)])
+            weights.vocab_rows("model.embed_tokens.weight", v, h))
+        self.partial_sum = _PartialSum(plan.tp, group)
+        if plan.tp > 1:
+            self.parallel_group = group
+            self.vocab_parallel = True
+        self.layers = nn.CellList([DecoderLayer(cfg, weights, i, self.partial_sum)
+                                   for i in range(cfg.num_hidden_layers)])
         self.norm = weights.norm("model.norm.weight", h)
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         rot = cfg.rotary_dim
@@ -471,9 +581,17 @@ class Qwen3_5ForCausalLM(nn.Cell):
         return self.lm_head_t.dtype
 
     def _embed(self, input_ids):
+        vocab_parallel = self.tp_plan.tp > 1
+        if vocab_parallel:  # each id's row is on one rank; the others contribute zeros to the sum
+            held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_stop)
+            input_ids = ops.where(held, input_ids - self.vocab_start, ops.zeros_like(input_ids))
         if self.embed_tokens is not None:
-            return ops.gather(self.embed_tokens, input_ids, 0)
-        return ops.gather(self.lm_head_t, input_ids, 1).transpose(1, 2, 0)
+            rows = ops.gather(self.embed_tokens, input_ids, 0)
+        else:
+            rows = ops.gather(self.lm_head_t, input_ids, 1).transpose(1, 2, 0)
+        if not vocab_parallel:
+            return rows
+        return self.partial_sum(ops.where(held[..., None], rows, ops.zeros_like(rows)))
 
     def _rotary(self, position_ids, dtype):
         """cos, sin (B, S, 1, rotary_dim) in the model dtype, computed in the compute dtype."""
@@ -513,8 +631,16 @@ def _causal_mask(seq: int, past: int, total: int, dtype) -> Tensor:
     return Tensor(np.where(hidden, _MASK_MIN[dtype], 0.0)[None, None], dtype)
 
 
-def load(checkpoint, dtype: str = "float32") -> Qwen3_5ForCausalLM:
-    """A Qwen3.5 model from a ``hyper_gen.checkpoint.Checkpoint``, weights in ``dtype``."""
+def load(checkpoint, dtype: str = "float32", plan: TPPlan = None, group=None) -> Qwen3_5ForCausalLM:
+    """A Qwen3.5 model from a ``hyper_gen.checkpoint.Checkpoint``, weights in ``dtype``.
+
+    ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
+    model); ``group``: the communication group of the ``tp`` ranks (None: the world group, whose
+    size and this process's rank must then be ``tp`` and ``plan.rank``)."""
+    if plan is None:
+        plan = TPPlan()
+    if not isinstance(plan, TPPlan):
+        raise TypeError(f"plan must be a hyper_gen.tensor_parallel.TPPlan or None, got {type(plan).__name__}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
@@ -523,6 +649,22 @@ def load(checkpoint, dtype: str = "float32") -> Qwen3_5ForCausalLM:
     if checkpoint.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"checkpoint {checkpoint.path!r} has architecture {checkpoint.architecture or None!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    model = Qwen3_5ForCausalLM(TextConfig.from_dict(checkpoint.config), _Weights(checkpoint, dtype))
+    config = TextConfig.from_dict(checkpoint.config)
+    plan.check(config)  # every split, before any weight is read
+    if plan.tp > 1:
+        _check_group(plan, group)
+    model = Qwen3_5ForCausalLM(config, _Weights(checkpoint, dtype, plan), group)
     model.set_train(False)
     return model
+
+
+def _check_group(plan: TPPlan, group) -> None:
+    """The group the shard will all-reduce over must be the plan's ``tp`` ranks, this one at ``plan.rank``."""
+    ops_ = MindSporeOps()
+    size, rank = ops_.world_size(group), ops_.rank(group)
+    where = "the world group" if group is None else f"group {group!r}"
+    if size != plan.tp:
+        raise ValueError(f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes "
+                         "(msrun --worker_num) and initialise communication before loading a tensor-parallel shard")
+    if rank != plan.rank:
+        raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")
