@@ -17,6 +17,7 @@ _DTYPES = {
     "int32": ms.int32, "int64": ms.int64, "bool": ms.bool_,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_WIDE = (ms.float64, ms.int64)  # 8-byte dtypes the CPU collectives do not carry exactly
 _NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int32": np.int32,
           "int64": np.int64, "bool": np.bool_}
 
@@ -138,7 +139,10 @@ class MindSporeOps:
         return GlobalComm.WORLD_COMM_GROUP if group is None else group
 
     def all_gather(self, x, axis=0, group=None):
-        gathered = ops.AllGather(group=self._group(group))(x)  # stacks along axis 0
+        if x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
+            gathered = ops.AllGather(group=self._group(group))(x.view(ms.int32)).view(x.dtype)
+        else:
+            gathered = ops.AllGather(group=self._group(group))(x)  # stacks along axis 0
         if axis % x.ndim == 0:
             return gathered
         parts = ops.split(gathered, x.shape[0], axis=0)
@@ -149,6 +153,8 @@ class MindSporeOps:
         return ops.AllReduce(reduce, group=self._group(group))(x)
 
     def broadcast(self, x, src=0, group=None):
+        if x.dtype in _WIDE:  # CPU Broadcast narrows float64/int64: move the raw bits instead
+            return ops.Broadcast(src, group=self._group(group))((x.view(ms.int32),))[0].view(x.dtype)
         return ops.Broadcast(src, group=self._group(group))((x,))[0]
 
     def all_to_all(self, x, axis=0, group=None):
