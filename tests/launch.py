@@ -19,6 +19,7 @@ def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), REPO, env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("GLOG_v", "3")  # MindSpore: errors only, so worker logs hold what the program printed
     return env
 
 

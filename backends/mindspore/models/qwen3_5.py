@@ -97,13 +97,13 @@ class _Weights:
         if self.ms_dtype == ms.bfloat16:
             tensor = Tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=ms.bfloat16)
         else:
-            tensor = Tensor(np.ascontiguousarray(array, dtype=ms.dtype_to_nptype(self.ms_dtype)))
+            tensor = Tensor(np.ascontiguousarray(array, dtype=_numpy_dtype(self.ms_dtype)))
         return Parameter(tensor, requires_grad=False)
 
     def constant(self, array: np.ndarray) -> Tensor:
         """A derived compute-dtype tensor (not a Parameter), after model-dtype rounding: what HF
         computes with for the weights it upcasts (norm scales, decay rates, conv taps)."""
-        return Tensor(np.ascontiguousarray(_round_to(array, self.dtype), dtype=ms.dtype_to_nptype(self.acc)))
+        return Tensor(np.ascontiguousarray(_round_to(array, self.dtype), dtype=_numpy_dtype(self.acc)))
 
     def linear_t(self, parts: List[tuple]) -> Parameter:
         """(out, in) checkpoint matrices [(name, shape) or (name, shape, (start, stop) rows)],
@@ -202,12 +202,17 @@ class _PartialSum:
 _CONSTANTS: Dict[tuple, tuple] = {}
 
 
+def _numpy_dtype(dtype):
+    """numpy dtype of a MindSpore float dtype (``mindspore.dtype_to_nptype`` is deprecated)."""
+    return {ms.float16: np.float16, ms.float32: np.float32, ms.float64: np.float64}[dtype]
+
+
 def _chunk_constants(size: int, dtype) -> tuple:
     """(upper, strict_lower, eye) for one chunk size: -inf above the diagonal (added before exp),
     1 strictly below it, and the identity."""
     key = (size, dtype)
     if key not in _CONSTANTS:
-        np_dtype = ms.dtype_to_nptype(dtype)
+        np_dtype = _numpy_dtype(dtype)
         upper = np.triu(np.full((size, size), -np.inf), 1).astype(np_dtype)
         strict_lower = np.tril(np.ones((size, size)), -1).astype(np_dtype)
         _CONSTANTS[key] = (Tensor(upper), Tensor(strict_lower), Tensor(np.eye(size, dtype=np_dtype)))
@@ -573,7 +578,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         rot = cfg.rotary_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
-        self.inv_freq = Tensor(inv_freq.astype(ms.dtype_to_nptype(weights.acc)))
+        self.inv_freq = Tensor(inv_freq.astype(_numpy_dtype(weights.acc)))
         self.generation_defaults: dict = {}
 
     @property
