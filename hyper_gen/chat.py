@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from .cli import generation_config, load_everything
-from .distributed import broadcast_ints, broadcast_text, host_ops, shutdown_distributed
+from .distributed import broadcast_ints, broadcast_text, host_ops
 from .generation import generate
 from .streaming import TextStreamer
 
@@ -63,8 +63,6 @@ def run_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply.strip()})
         turn += 1
     print("", file=out, flush=True)
-    if world > 1:
-        shutdown_distributed(args.backend)
     return 0
 
 

@@ -133,6 +133,11 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"hyper-gen: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if _launched_multi_rank() and args.backend in BACKENDS:
+            from .distributed import shutdown_distributed
+
+            shutdown_distributed(args.backend)  # every rank leaves the job cleanly
 
 
 def entry_point() -> None:

@@ -56,3 +56,7 @@ for name, c in [("greedy", cfg), ("seeded", cfg.replace(do_sample=True, seed=3, 
     a = harness.numpy(generate(full, padded, c, attention_mask=mask))
     b = harness.numpy(generate(sharded, padded, c, attention_mask=mask))
     print(f"rank {rank}: vocab-parallel {name} equal={np.array_equal(a, b)} tokens={b.tolist()}", flush=True)
+
+from hyper_gen.distributed import shutdown_distributed  # noqa: E402
+
+shutdown_distributed(framework)  # a clean teardown: gloo aborts the process if the group outlives it
