@@ -5,8 +5,9 @@
 - ``hf``: HF ``generate`` vs ``hyper_gen.generate`` on the same HF Qwen3.5 model (decode tokens/s).
 - ``models``: native ``load_model`` (torch, MindSpore) vs HF generate on one checkpoint shape:
   prefill latency, decode tokens/s and the fraction of the memory-bandwidth roofline.
+- ``tp``: TP=2 vs TP=1 under torchrun / msrun, with the bytes moved through collectives.
 
-Run: ``hyper-gen bench [loop|hf|models] ...`` or ``python -m hyper_gen.bench ...``.
+Run: ``hyper-gen bench [loop|hf|models|tp] ...`` or ``python -m hyper_gen.bench ...``.
 """
 
 from __future__ import annotations
@@ -220,8 +221,20 @@ def main(argv=None):
     models.add_argument("--repeats", type=int, default=2)
     models.add_argument("--threads", type=int, default=0)
     models.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
+    tp = sub.add_parser("tp", help="TP=2 vs TP=1 under torchrun / msrun")
+    tp.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
+    tp.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
+    tp.add_argument("--batch", type=int, default=1)
+    tp.add_argument("--prompt-len", type=int, default=32)
+    tp.add_argument("--new-tokens", type=int, default=16)
+    tp.add_argument("--repeats", type=int, default=2)
+    tp.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
     args = parser.parse_args(argv)
-    if args.which == "hf":
+    if args.which == "tp":
+        from .bench_tp import run_tp
+
+        run_tp(args)
+    elif args.which == "hf":
         run_hf(args)
     elif args.which == "models":
         from .bench_models import run_models

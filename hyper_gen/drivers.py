@@ -103,6 +103,7 @@ class ReturnedCacheDriver(_Driver):
             self.cache.update(past)
             if prompt.padded:
                 self._mask_buffer = ops.asarray(decode_mask(prompt.mask, self.total_length, self.dtype), self.dtype)
+                self._unmask = ops.asarray(np.zeros((prompt.batch_size, 1, 1, 1)), self.dtype)
         return _logits(output)
 
     def decode(self, tokens: np.ndarray, tokens_device):
@@ -113,7 +114,7 @@ class ReturnedCacheDriver(_Driver):
         length = self.host_ids.shape[1]
         mask = None
         if self._mask_buffer is not None:
-            ops.write_slice(self._mask_buffer, 3, length - 1, ops.asarray(np.zeros((tokens.shape[0], 1, 1, 1)), self.dtype))
+            ops.write_slice(self._mask_buffer, 3, length - 1, self._unmask)
             mask = self._mask_buffer[:, :, :, :length]
         positions = ops.asarray(self.next_position[:, None], "int64")
         self.next_position = self.next_position + 1
@@ -131,8 +132,7 @@ class CacheObjectDriver(_Driver):
         self._unmask = None
 
     def _new_cache(self, batch, length, implementation):
-        cache = make_cache(implementation, self.ops, batch, length)
-        return cache
+        return make_cache(implementation, self.ops, batch, length)
 
     def _call_full(self, ids, positions, mask):
         cache = self._new_cache(self.host_ids.shape[0], self.host_ids.shape[1], "dynamic")
