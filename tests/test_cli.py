@@ -133,3 +133,16 @@ def test_chat_under_msrun_two_ranks_tp2(tmp_path):
     logs = {name: open(tmp_path / name).read() for name in os.listdir(tmp_path) if name.startswith("worker_")}
     assert "Assistant:" in logs["worker_0.log"] and "Assistant:" not in logs["worker_1.log"]
     _check_chat(logs["worker_0.log"], prompts)
+
+
+def test_generate_tp2_under_torchrun():
+    prompts = [p for p, _ in make_prompts(3, seed=12)]
+    args = ["-m", "hyper_gen", "generate", "--tp", "2", "--max-new-tokens", "12"]
+    for prompt in prompts:
+        args += ["--prompt", prompt]
+    result = torchrun(args, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rev")]
+    assert len(lines) == len(prompts)  # printed once, by rank 0
+    for prompt, line in zip(prompts, lines):
+        assert is_correct(prompt, line[len(prompt):])
