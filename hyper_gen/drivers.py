@@ -179,7 +179,8 @@ class CacheObjectDriver(_Driver):
 
 
 class HFDriver(_Driver):
-    """Contract 3: an HF transformers model with its own cache classes."""
+    """Contract 3: an HF transformers model on HF's ``DynamicCache`` (HF generate's default);
+    ``cache_implementation`` applies to cache-object models only."""
 
     def __init__(self, *args):
         super().__init__(*args)
