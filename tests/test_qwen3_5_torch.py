@@ -229,6 +229,46 @@ def test_tied_embeddings_share_one_matrix(models):
     assert multimodal.lm_head is None
 
 
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_matrices_are_stored_in_out(models, checkpoint_dir, dtype):
+    """Every matmul is ``x @ w`` with w (in, out): (in, out)-contiguous (the fast batch-1 decode
+    layout) except in float64, which keeps HF's (out, in) memory to stay bitwise HF's, and the
+    Gated DeltaNet b / a projections, which keep it in every dtype (the decay's rounding). The
+    embedding is one (H, V) matrix, looked up by columns, that a tied head multiplies by."""
+    model, _ = models("moe", dtype)
+    config = model.config
+    hid, vocab = config.hidden_size, VOCAB
+    attention, deltanet, moe = model.layers[1].mixer, model.layers[0].mixer, model.layers[0].mlp
+    shapes = {
+        attention.qkv_proj: (hid, 2 * config.num_attention_heads * config.head_dim
+                             + 2 * config.num_key_value_heads * config.head_dim),
+        attention.o_proj: (config.num_attention_heads * config.head_dim, hid),
+        deltanet.in_proj: (hid, deltanet.conv_dim + deltanet.value_dim),
+        deltanet.out_proj: (deltanet.value_dim, hid),
+        moe.router: (hid, config.num_experts),
+        moe.experts_gate_up: (config.num_experts, hid, 2 * config.moe_intermediate_size),
+        moe.experts_down: (config.num_experts, config.moe_intermediate_size, hid),
+        moe.shared_expert.gate_up_proj: (hid, 2 * config.shared_expert_intermediate_size),
+        moe.shared_expert_gate: (hid, 1),
+        model.embed_tokens: (hid, vocab),
+        model.lm_head: (hid, vocab),
+    }
+    for weight, shape in shapes.items():
+        assert weight.shape == shape
+        assert (weight.transpose(-1, -2) if dtype == "float64" else weight).is_contiguous()
+    for weight in (deltanet.in_proj_b, deltanet.in_proj_a):
+        assert weight.shape == (hid, config.linear_num_value_heads) and weight.t().is_contiguous()
+
+    tied, _ = models("dense_tied", dtype)
+    assert [p.shape for p in tied.parameters()].count((hid, vocab)) == 1
+    path = make_checkpoint(checkpoint_dir, "dense", tie_word_embeddings=True)
+    rows = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"].to(model.dtype)
+    ids = torch.tensor([[3, 0, 96, 3], [50, 7, 1, 2]])
+    assert torch.equal(tied.embed_tokens.t(), rows)  # the head's matrix is the checkpoint's embedding
+    embedded = tied._embed(ids)
+    assert embedded.is_contiguous() and torch.equal(embedded, rows[ids])  # contiguous: norms sum as HF's
+
 def test_cacheless_forward_and_logits_to_keep(models):
     model, hf_model = models("moe", "float32")
     input_ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))

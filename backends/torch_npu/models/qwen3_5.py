@@ -11,6 +11,16 @@ Float32 matches to ~3e-5 on the tiny test models, where HF's chunked delta rule 
 fast). Elsewhere it fuses: q|k|v of attention, q|k|v|z of Gated DeltaNet and gate|up of every MLP
 are one matmul each (bitwise the same as separate matmuls at real model sizes).
 
+Weights are (in, out) matrices and every projection is ``x @ w`` (the LM head too; the embedding
+is the (H, V) matrix, looked up by gathering columns, so a tied checkpoint keeps one copy). In
+float32 / float16 / bfloat16 they are (in, out)-contiguous: a batch-1 decode step is a stream of
+matrix-vector products bound by memory bandwidth, and MKL streams that layout faster on CPU than
+the (out, in) one ``F.linear`` reads (fp32, 2 threads: LM head 248320x1024 ~28 vs ~20 GB/s, layer
+matrices ~24 vs ~21 GB/s; a 0.8B decode step ~15% faster).
+float64 keeps HF's (out, in) memory under the same (in, out) view, so it stays bit for bit HF's
+(``_matrix_layout``). Checkpoint slices (tensor parallelism) are taken in the checkpoint's
+(out, in) layout and transposed afterwards.
+
 Tensor parallelism (``load(checkpoint, dtype, device, plan=TPPlan(tp, rank), group=None)``, under
 torchrun): each rank reads only its slices with ``Checkpoint.get_slice``, exactly as
 ``hyper_gen.tensor_parallel.TPPlan`` assigns them (``plan.check`` runs before any weight is read).
@@ -124,16 +134,16 @@ class GatedAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         d, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
-        # rows: q_proj (per head [query | gate]) | k_proj | v_proj
-        self.qkv_proj = nn.Parameter(torch.empty(2 * h * d + 2 * kv * d, config.hidden_size))
-        self.o_proj = nn.Parameter(torch.empty(config.hidden_size, h * d))
+        # (in, out) like every matrix here; columns: q_proj (per head [query | gate]) | k_proj | v_proj
+        self.qkv_proj = nn.Parameter(torch.empty(config.hidden_size, 2 * h * d + 2 * kv * d))
+        self.o_proj = nn.Parameter(torch.empty(h * d, config.hidden_size))
         self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention_mask, cache):
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        query_gate, key, value = F.linear(x, self.qkv_proj).split([2 * h * d, kv * d, kv * d], dim=-1)
+        query_gate, key, value = (x @ self.qkv_proj).split([2 * h * d, kv * d, kv * d], dim=-1)
         query_gate = query_gate.view(b, s, h, 2 * d)
         query, gate = query_gate[..., :d], query_gate[..., d:].reshape(b, s, h * d)
         query = self.q_norm(query).transpose(1, 2)
@@ -145,7 +155,7 @@ class GatedAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx)
         out = self._attend(query, key, value, attention_mask)
         out = out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
-        return F.linear(out, self.o_proj)
+        return out @ self.o_proj
 
     def _attend(self, query, key, value, mask):
         b, h, s, d = query.shape
@@ -225,9 +235,10 @@ def recurrent_gated_delta_step(query, key, value, decay, beta, state: torch.Tens
 class GatedDeltaNet(nn.Module):
     """Linear attention with a gated delta rule (Qwen3.5's 3-in-4 token mixer).
 
-    in_proj rows: q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv); b and a (Hv rows each) stay
-    separate matmuls: fused, MKL rounds their few columns differently from HF's own matmuls,
-    and the chunked delta rule amplifies a 1-ulp change of the decay to ~1e-5 in the logits.
+    in_proj columns: q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv); b and a (Hv columns each)
+    stay separate matmuls, over HF's (out, in) memory: fused, or (in, out)-contiguous, MKL rounds
+    their few outputs differently from HF's own matmuls, and the chunked delta rule amplifies a
+    1-ulp change of the decay to ~1e-5 in the logits.
     The q|k|v part goes through a depthwise causal conv1d (kernel K) + SiLU; the conv state is
     the last K-1 pre-conv positions, (B, q|k|v channels, K-1). Recurrent state (B, Hv, Dk, Dv)
     in float32.
@@ -248,14 +259,14 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * key_dim + self.value_dim
         self.qkv_split = [key_dim, key_dim, self.value_dim]
-        self.in_proj = nn.Parameter(torch.empty(self.conv_dim + self.value_dim, config.hidden_size))
-        self.in_proj_b = nn.Parameter(torch.empty(self.num_v_heads, config.hidden_size))
-        self.in_proj_a = nn.Parameter(torch.empty(self.num_v_heads, config.hidden_size))
+        self.in_proj = nn.Parameter(torch.empty(config.hidden_size, self.conv_dim + self.value_dim))
+        self.in_proj_b = nn.Parameter(torch.empty(config.hidden_size, self.num_v_heads))
+        self.in_proj_a = nn.Parameter(torch.empty(config.hidden_size, self.num_v_heads))
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel_size))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.register_buffer("neg_decay_rate", torch.empty(self.num_v_heads, dtype=torch.float32))  # -exp(A_log)
         self.norm_weight = nn.Parameter(torch.empty(self.head_v_dim))
-        self.out_proj = nn.Parameter(torch.empty(config.hidden_size, self.value_dim))
+        self.out_proj = nn.Parameter(torch.empty(self.value_dim, config.hidden_size))
 
     def forward(self, x, cache, prompt_mask):
         b, s, _ = x.shape
@@ -266,14 +277,14 @@ class GatedDeltaNet(nn.Module):
             conv_state = cache.conv_states.get(self.layer_idx)
             recurrent_state = cache.recurrent_states.get(self.layer_idx)
 
-        mixed, z = F.linear(x, self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
+        mixed, z = (x @ self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
         mixed, conv_state = self._conv(mixed.transpose(1, 2), conv_state)
         query, key, value = mixed.transpose(1, 2).split(self.qkv_split, dim=-1)
         query = query.reshape(b, s, -1, self.head_k_dim)
         key = key.reshape(b, s, -1, self.head_k_dim)
         value = value.reshape(b, s, -1, self.head_v_dim)
-        beta = F.linear(x, self.in_proj_b).sigmoid()
-        decay = self.neg_decay_rate * F.softplus(F.linear(x, self.in_proj_a).float() + self.dt_bias)
+        beta = (x @ self.in_proj_b).sigmoid()
+        decay = self.neg_decay_rate * F.softplus((x @ self.in_proj_a).float() + self.dt_bias)
 
         out, recurrent_state = self._delta_rule(query, key, value, decay, beta, recurrent_state)
         if cache is not None:
@@ -282,7 +293,7 @@ class GatedDeltaNet(nn.Module):
 
         out = gated_rms_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
                              self.norm_weight, self.eps)
-        return F.linear(out.reshape(b, s, self.value_dim), self.out_proj)
+        return out.reshape(b, s, self.value_dim) @ self.out_proj
 
     def _conv(self, mixed: torch.Tensor, state: Optional[torch.Tensor]):
         """Depthwise causal conv + SiLU of (B, C, S); returns it and the new (B, C, K-1) state."""
@@ -327,16 +338,16 @@ class GatedDeltaNet(nn.Module):
 # ------------------------------------------------------------------------------------ MLP / MoE
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate_up rows: gate (I) | up (I)."""
+    """down(silu(gate(x)) * up(x)); gate_up columns: gate (I) | up (I)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(hidden_size, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(intermediate_size, hidden_size))
 
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj
 
 
 class SparseMoE(nn.Module):
@@ -349,22 +360,22 @@ class SparseMoE(nn.Module):
         i = _local(plan, config.moe_intermediate_size, "moe_intermediate_size")
         self.num_experts = e
         self.top_k = config.num_experts_per_tok
-        self.router = nn.Parameter(torch.empty(e, h))
-        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # per expert: gate (I) | up (I)
-        self.experts_down = nn.Parameter(torch.empty(e, h, i))
+        self.router = nn.Parameter(torch.empty(h, e))
+        self.experts_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # per expert columns: gate (I) | up (I)
+        self.experts_down = nn.Parameter(torch.empty(e, i, h))
         self.shared_expert = SwiGLU(h, _local(plan, config.shared_expert_intermediate_size,
                                               "shared_expert_intermediate_size"))
-        self.shared_expert_gate = nn.Parameter(torch.empty(1, h))
+        self.shared_expert_gate = nn.Parameter(torch.empty(h, 1))
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = F.linear(x, self.router)
+        logits = x @ self.router
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
         out = self._experts(x, experts, weights)
-        out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        out = out + torch.sigmoid(x @ self.shared_expert_gate) * self.shared_expert(x)
         return out.reshape(shape)
 
     def _experts(self, x, experts, weights):
@@ -380,8 +391,8 @@ class SparseMoE(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate, up = F.linear(routed[rows], self.experts_gate_up[expert]).chunk(2, dim=-1)
-            out[rows] = F.linear(F.silu(gate) * up, self.experts_down[expert])
+            gate, up = (routed[rows] @ self.experts_gate_up[expert]).chunk(2, dim=-1)
+            out[rows] = (F.silu(gate) * up) @ self.experts_down[expert]
             start += count
         out = out * weights.reshape(-1, 1).index_select(0, order)
         return torch.zeros_like(x).index_add_(0, token, out)
@@ -455,12 +466,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.vocab_start, vocab_stop = plan.vocab(config.vocab_size)
         rows = vocab_stop - self.vocab_start
         self.rank_sum = RankSum(plan.tp, group)
-        self.embed_tokens = nn.Parameter(torch.empty(rows, config.hidden_size))
+        # the embedding matrix transposed, (H, rows): a lookup gathers columns; when tied it is
+        # also the LM head (one copy), read by ``hidden @ embed_tokens``
+        self.embed_tokens = nn.Parameter(torch.empty(config.hidden_size, rows))
         self.layers = nn.ModuleList(DecoderLayer(config, i, plan, self.rank_sum)
                                     for i in range(config.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        # tied checkpoints share one (V, H) matrix between the embedding and the LM head
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(rows, config.hidden_size))
+        # (H, rows); None for tied checkpoints, whose head is ``embed_tokens``
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.hidden_size, rows))
         self.register_buffer("inv_freq", torch.empty(config.rotary_dim // 2, dtype=torch.float32),
                              persistent=False)
         self.generation_defaults: dict = {}
@@ -493,16 +506,21 @@ class Qwen3_5ForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return {"logits": F.linear(hidden, head)}
+        return {"logits": hidden @ head}
 
     def _embed(self, input_ids):
         if self.tp_plan.tp == 1:
-            return F.embedding(input_ids, self.embed_tokens)
+            return self._columns(input_ids)
         # vocab-parallel: look up the ids in this rank's block, zeros for the others, sum over ranks
         local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.embed_tokens.shape[0])
-        hidden = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        outside = (local < 0) | (local >= self.embed_tokens.shape[1])
+        hidden = self._columns(local.masked_fill(outside, 0))
         return self.rank_sum(hidden.masked_fill_(outside[..., None], 0))
+
+    def _columns(self, ids):
+        """(B, S) ids -> (B, S, H) embedding rows, gathered as columns of the (H, rows) matrix."""
+        columns = torch.index_select(self.embed_tokens, 1, ids.reshape(-1))  # (H, B*S)
+        return columns.t().contiguous().view(*ids.shape, -1)  # contiguous: reductions sum in HF's order
 
 
 def causal_mask(seq: int, past: int, total: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -515,12 +533,28 @@ def causal_mask(seq: int, past: int, total: int, dtype: torch.dtype, device) -> 
 
 # ------------------------------------------------------------------------------------ loading
 
+def _matrix_layout(w_t: torch.Tensor) -> torch.Tensor:
+    """The stored form of a weight given as the (in, out) transposed view of its (out, in) matrix.
+
+    Every matmul is ``x @ w`` with w of shape (in, out). A batch-1 decode step streams weights
+    faster from (in, out)-contiguous memory on CPU than from the (out, in) layout ``F.linear``
+    reads (MKL's axpy-form gemv vs its dot-product form), so that is the layout for float32 /
+    float16 / bfloat16. float64 is the bit-for-bit check against HF: it keeps
+    HF's (out, in) memory, so ``x @ w`` is exactly ``F.linear`` (MKL sums the other layout in
+    another order, and the float32 islands -- norms, the delta rule -- turn that 1e-16 into 1e-5)."""
+    return w_t if w_t.dtype == torch.float64 else w_t.contiguous()
+
+
 class _Loader:
     """Checkpoint tensors -> torch tensors of the model dtype on the target device, each named
     tensor's shape checked (a missing or misshaped tensor raises ValueError naming it).
 
     A weight split by ``plan`` is read with ``Checkpoint.get_slice``, one range at a time, so a
-    rank never reads another rank's part; replicated weights (norms, router) are read whole."""
+    rank never reads another rank's part; replicated weights (norms, router) are read whole.
+    Slices and ranges are always those of the checkpoint's (out, in) layout; ``transpose=True``
+    turns the assembled matrix (the last two axes) into the model's (in, out) shape afterwards:
+    an (in, out)-contiguous copy, except in float64, where it stays a transposed view of the
+    (out, in) matrix (see ``_matrix_layout``)."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device, plan: TPPlan):
         self.checkpoint = checkpoint
@@ -534,35 +568,42 @@ class _Loader:
         if found != tuple(shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {found}, expected {tuple(shape)}")
 
-    def _torch(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
+    def _torch(self, array: np.ndarray, transpose: bool = False) -> torch.Tensor:
+        tensor = torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
+        return _matrix_layout(tensor.transpose(-1, -2)) if transpose else tensor
 
-    def tensor(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+    def tensor(self, name: str, shape: Sequence[int], transpose: bool = False) -> torch.Tensor:
         """A replicated tensor, whole."""
         self._check(name, shape)
-        return self._torch(self.checkpoint.get(name, self.read_dtype))
+        return self._torch(self.checkpoint.get(name, self.read_dtype), transpose)
 
     def pieces(self, name: str, shape: Sequence[int], axis: int, ranges: List[Tuple[int, int]]) -> List[np.ndarray]:
         """``[start:stop)`` ranges along ``axis`` of one tensor, each read alone from disk."""
         self._check(name, shape)
         return [self.checkpoint.get_slice(name, axis, start, stop, self.read_dtype) for start, stop in ranges]
 
-    def rows(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0) -> torch.Tensor:
+    def rows(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0,
+             transpose: bool = False) -> torch.Tensor:
         """Concatenate ranges along ``axis`` of several tensors: [(name, full_shape, [(start, stop), ...])]."""
         pieces = []
         for name, shape, ranges in parts:
             pieces += self.pieces(name, shape, axis, ranges)
-        return self._torch(np.concatenate(pieces, axis=axis))
+        return self._torch(np.concatenate(pieces, axis=axis), transpose)
+
+    def matrix(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0) -> torch.Tensor:
+        """``rows`` of (out, in) checkpoint matrices, stored (in, out) for ``x @ w``."""
+        return self.rows(parts, axis, transpose=True)
 
     def vocab_rows(self, name: str, vocab: int, hidden: int) -> torch.Tensor:
-        """This rank's block of embedding / LM-head rows; rows past ``vocab`` (padding) are zero."""
+        """This rank's block of embedding / LM-head rows, stored transposed (H, rows); rows past
+        ``vocab`` (padding) are zero."""
         start, stop = self.plan.vocab(vocab)
         self._check(name, (vocab, hidden))
         real = self.checkpoint.get_slice(name, 0, start, min(stop, vocab), self.read_dtype) if start < vocab \
             else np.zeros((0, hidden), self.read_dtype)
         if real.shape[0] < stop - start:
             real = np.concatenate([real, np.zeros((stop - start - real.shape[0], hidden), real.dtype)])
-        return self._torch(real)
+        return self._torch(real, transpose=True)
 
 
 def _norm_scale(ld: _Loader, name: str, dim: int) -> torch.Tensor:
@@ -574,12 +615,12 @@ def _load_attention(ld: _Loader, p: str, config: TextConfig, state: dict, q: str
     h, kv, d, hid = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
     q_start, q_stop = ld.plan.block(h, "num_attention_heads")
     kv_start, kv_stop = ld.plan.kv_heads(kv, h)
-    state[q + "qkv_proj"] = ld.rows([
+    state[q + "qkv_proj"] = ld.matrix([
         (p + "q_proj.weight", (2 * h * d, hid), [(2 * d * q_start, 2 * d * q_stop)]),  # per head [query | gate]
         (p + "k_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
         (p + "v_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
     ])
-    state[q + "o_proj"] = ld.rows([(p + "o_proj.weight", (hid, h * d), [(q_start * d, q_stop * d)])], axis=1)
+    state[q + "o_proj"] = ld.matrix([(p + "o_proj.weight", (hid, h * d), [(q_start * d, q_stop * d)])], axis=1)
     for norm in ("q_norm", "k_norm"):
         state[q + norm + ".scale"] = _norm_scale(ld, p + norm + ".weight", d)
 
@@ -594,12 +635,15 @@ def _load_gated_deltanet(ld: _Loader, p: str, config: TextConfig, state: dict, q
     values = [(v_start * dv, v_stop * dv)]
     qkv = [(k_start * dk, k_stop * dk), (key_dim + k_start * dk, key_dim + k_stop * dk),  # q | k | v segments
            (2 * key_dim + v_start * dv, 2 * key_dim + v_stop * dv)]
-    state[q + "in_proj"] = ld.rows([
+    state[q + "in_proj"] = ld.matrix([
         (p + "in_proj_qkv.weight", (conv_dim, hid), qkv),
         (p + "in_proj_z.weight", (value_dim, hid), values),
     ])
-    state[q + "in_proj_b"] = ld.rows([(p + "in_proj_b.weight", (hv, hid), [(v_start, v_stop)])])
-    state[q + "in_proj_a"] = ld.rows([(p + "in_proj_a.weight", (hv, hid), [(v_start, v_stop)])])
+    # b / a stay in HF's (out, in) memory in every dtype (an (in, out) view): x @ w is then exactly
+    # HF's matmul, and the chunked delta rule amplifies a 1-ulp change of the decay to ~1e-5 in
+    # float32 (these (Hv, H) matrices are too small for the layout to matter to speed)
+    state[q + "in_proj_b"] = ld.rows([(p + "in_proj_b.weight", (hv, hid), [(v_start, v_stop)])]).t()
+    state[q + "in_proj_a"] = ld.rows([(p + "in_proj_a.weight", (hv, hid), [(v_start, v_stop)])]).t()
     kernel = config.linear_conv_kernel_dim
     conv = ld.rows([(p + "conv1d.weight", (conv_dim, 1, kernel), qkv)])
     state[q + "conv_weight"] = conv.reshape(conv.shape[0], kernel)
@@ -607,35 +651,35 @@ def _load_gated_deltanet(ld: _Loader, p: str, config: TextConfig, state: dict, q
     a_log = ld.rows([(p + "A_log", (hv,), [(v_start, v_stop)])])  # model dtype first, then float32 as HF
     state[q + "neg_decay_rate"] = -a_log.float().exp()
     state[q + "norm_weight"] = ld.tensor(p + "norm.weight", (dv,))  # per head dim: replicated
-    state[q + "out_proj"] = ld.rows([(p + "out_proj.weight", (hid, value_dim), values)], axis=1)
+    state[q + "out_proj"] = ld.matrix([(p + "out_proj.weight", (hid, value_dim), values)], axis=1)
 
 
 def _load_swiglu(ld: _Loader, p: str, hidden: int, inter: int, state: dict, q: str, name: str) -> None:
     block = [ld.plan.block(inter, name)]
-    state[q + "gate_up_proj"] = ld.rows([
+    state[q + "gate_up_proj"] = ld.matrix([
         (p + "gate_proj.weight", (inter, hidden), block),
         (p + "up_proj.weight", (inter, hidden), block),
     ])
-    state[q + "down_proj"] = ld.rows([(p + "down_proj.weight", (hidden, inter), block)], axis=1)
+    state[q + "down_proj"] = ld.matrix([(p + "down_proj.weight", (hidden, inter), block)], axis=1)
 
 
 def _load_moe(ld: _Loader, p: str, config: TextConfig, state: dict, q: str) -> None:
     e, hid, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
     start, stop = ld.plan.block(inter, "moe_intermediate_size")
-    state[q + "router"] = ld.tensor(p + "gate.weight", (e, hid))
+    state[q + "router"] = ld.tensor(p + "gate.weight", (e, hid), transpose=True)
     if ld.checkpoint.has(p + "experts.gate_up_proj"):  # fused layout (HF's in-memory one)
-        state[q + "experts_gate_up"] = ld.rows(
+        state[q + "experts_gate_up"] = ld.matrix(
             [(p + "experts.gate_up_proj", (e, 2 * inter, hid), [(start, stop), (inter + start, inter + stop)])], axis=1)
-        state[q + "experts_down"] = ld.rows([(p + "experts.down_proj", (e, hid, inter), [(start, stop)])], axis=2)
+        state[q + "experts_down"] = ld.matrix([(p + "experts.down_proj", (e, hid, inter), [(start, stop)])], axis=2)
     else:  # per-expert layout (what save_pretrained writes)
         gate_up = [np.concatenate([ld.pieces(f"{p}experts.{i}.{proj}.weight", (inter, hid), 0, [(start, stop)])[0]
                                    for proj in ("gate_proj", "up_proj")]) for i in range(e)]
-        state[q + "experts_gate_up"] = ld._torch(np.stack(gate_up))
+        state[q + "experts_gate_up"] = ld._torch(np.stack(gate_up), transpose=True)
         down = [ld.pieces(f"{p}experts.{i}.down_proj.weight", (hid, inter), 1, [(start, stop)])[0] for i in range(e)]
-        state[q + "experts_down"] = ld._torch(np.stack(down))
+        state[q + "experts_down"] = ld._torch(np.stack(down), transpose=True)
     _load_swiglu(ld, p + "shared_expert.", hid, config.shared_expert_intermediate_size, state,
                  q + "shared_expert.", "shared_expert_intermediate_size")
-    state[q + "shared_expert_gate"] = ld.tensor(p + "shared_expert_gate.weight", (1, hid))
+    state[q + "shared_expert_gate"] = ld.tensor(p + "shared_expert_gate.weight", (1, hid), transpose=True)
 
 
 def load(checkpoint: Checkpoint, dtype: str = "float32", device=None, plan: Optional[TPPlan] = None,
