@@ -220,6 +220,29 @@ def test_checkpoint_variants_match_hf(models, variant):
     _record(f"{variant}/float64", error, TOLERANCE["float64"])
 
 
+@pytest.mark.parametrize("variant", ["dense", "dense_tied"])
+def test_lm_head_in_column_blocks(path, monkeypatch, variant):
+    """The LM head is stored in blocks of vocabulary columns (one block at this vocabulary); with
+    blocks of 20 the logits are concatenated and a tied embedding gathers each row's ids from the
+    blocks holding them (several blocks in one prefill or decode step)."""
+    monkeypatch.setattr(native, "_block_width", lambda columns, most: 20)
+    model = native.load(Checkpoint(path(variant)), "float64")
+    assert [tuple(p.shape) for p in model.lm_head] == [(TINY_TEXT_CONFIG["hidden_size"], 20)] * 4 + [
+        (TINY_TEXT_CONFIG["hidden_size"], VOCAB - 80)]
+    prompts, decode = _prompts(8, (9, 6, 4))
+    ours = run_native(model, prompts, decode, "static")
+    reference = [run_hf(_hf_reference(path(variant), "float64"), p, d) for p, d in zip(prompts, decode)]
+    _record(f"{variant}/float64/lm-head-blocks", max_error(ours, reference), TOLERANCE["float64"])
+
+
+def test_lm_head_block_width():
+    """Even shares of the vocabulary, 64 times an odd number of columns (no power-of-two row stride)."""
+    assert native._block_width(248320, 65536) == 62144  # Qwen3.5: 3 x 62144 + 61888
+    assert native._block_width(262144, 65536) == 65600  # not 65536 (half the bandwidth)
+    assert native._block_width(97, 65536) == 192  # >= 97: one block
+    assert native._block_width(151936, 65536) == 50752
+
+
 @pytest.mark.parametrize("length", [1, 2])
 def test_prompts_shorter_than_the_conv_kernel(models, length):
     _record("dense/float64/short-prompt", _compare(models, "dense", "float64", (length,), seed=3),
