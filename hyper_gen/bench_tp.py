@@ -4,8 +4,9 @@
     msrun --worker_num=2 --local_worker_num=2 --join=True hyper_gen/__main__.py bench tp --backend mindspore
 
 Every rank loads the tp=1 model and its tp=2 shard of the same random-weight checkpoint (see
-bench_models), times prefill and decode through ``generate`` with one compute thread per rank,
-and rank 0 prints both next to the bytes a decode step moves through collectives.
+bench_models) and times prefill and decode through ``generate``; all ranks run both at once (the
+TP=1 figure is one replica per rank sharing the machine). Rank 0 prints both next to the bytes a
+decode step moves through collectives.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def run_tp(args):
     config = TextConfig.from_dict(Checkpoint(path).config)
     moved = collective_bytes_per_decode_step(config, args.batch, world, 4)
     if rank == 0:
+        threads = "1 torch thread per rank" if args.backend == "torch" else "MindSpore's default CPU threads"
         print(f"{args.backend}: Qwen3.5 '{args.shape}' float32, B={args.batch}, prompt {args.prompt_len}, "
-              f"{args.new_tokens} new tokens, 1 compute thread per rank, {world} ranks")
+              f"{args.new_tokens} new tokens, {world} ranks running at once, {threads}")
         for tp, (prefill, rate) in results.items():
             print(f"  TP={tp}: prefill {prefill * 1e3:9.1f} ms   decode {rate:8.2f} tok/s")
         print(f"  TP={world} / TP=1 decode: {results[world][1] / results[1][1]:.2f}x; "
