@@ -19,6 +19,8 @@ import inspect
 import mindspore as ms
 import numpy as np
 import pytest
+
+from error_log import ErrorLog
 import torch
 
 from hyper_gen.backends.mindspore import configure
@@ -42,7 +44,8 @@ VARIANTS = {  # name -> (kind, make_checkpoint keywords)
     "multimodal_tied": ("multimodal", {"tie_word_embeddings": True}),
     "multimodal_moe": ("multimodal_moe", {}),
 }
-MAX_ERRORS = {}
+ERRORS = ErrorLog()
+MAX_ERRORS = ERRORS.max_errors  # (test id) -> max abs error, printed at the end with -s
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +74,8 @@ def models(path):
     return get
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_errors():
-    yield
-    for name, error in sorted(MAX_ERRORS.items()):
-        print(f"max abs error {name}: {error:.3e}")
-
-
-def _record(name, error, tolerance):
-    MAX_ERRORS[name] = max(error, MAX_ERRORS.get(name, 0.0))
-    assert error <= tolerance, f"{name}: max abs error {error:.3e} > {tolerance:.0e}"
+report_errors = ERRORS.fixture()
+_record = ERRORS.record
 
 
 # ------------------------------------------------------------------------------ HF reference

@@ -15,6 +15,8 @@ import subprocess
 import sys
 
 import pytest
+
+from error_log import ErrorLog
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -35,7 +37,8 @@ VARIANTS = {
     "multimodal_tied": ("multimodal", {"tie_word_embeddings": True}),
     "multimodal_moe": ("multimodal_moe", {}),
 }
-MAX_ERRORS = {}  # (test id) -> max abs error, printed at the end with -s
+ERRORS = ErrorLog()
+MAX_ERRORS = ERRORS.max_errors  # (test id) -> max abs error, printed at the end with -s
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,16 +68,8 @@ def models(checkpoint_dir):
     return get
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_errors():
-    yield
-    for name, error in sorted(MAX_ERRORS.items()):
-        print(f"max abs error {name}: {error:.3e}")
-
-
-def _record(name, error, tolerance):
-    MAX_ERRORS[name] = max(error, MAX_ERRORS.get(name, 0.0))
-    assert error <= tolerance, f"{name}: max abs error {error:.3e} > {tolerance:.0e}"
+report_errors = ERRORS.fixture()
+_record = ERRORS.record
 
 
 # ------------------------------------------------------------------------- contract drivers
