@@ -19,8 +19,6 @@ import inspect
 import mindspore as ms
 import numpy as np
 import pytest
-
-from error_log import ErrorLog
 import torch
 
 from hyper_gen.backends.mindspore import configure
@@ -30,6 +28,7 @@ from hyper_gen.cache import DynamicCache, StaticCache
 from hyper_gen.checkpoint import Checkpoint
 from hyper_gen.loading import TextConfig, load_model
 from qwen_checkpoints import TINY_TEXT_CONFIG, load_hf, make_checkpoint
+from error_log import ErrorLog
 
 configure("CPU")
 

@@ -15,8 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
-from error_log import ErrorLog
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -24,6 +22,7 @@ from hyper_gen.backends.torch_npu.ops import TorchOps
 from hyper_gen.cache import DynamicCache, StaticCache
 from hyper_gen.loading import SUPPORTED_ARCHITECTURES, TextConfig, load_model
 from qwen_checkpoints import TINY_TEXT_CONFIG, load_hf, make_checkpoint
+from error_log import ErrorLog
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 VOCAB = TINY_TEXT_CONFIG["vocab_size"]
