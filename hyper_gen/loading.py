@@ -170,7 +170,8 @@ def generation_defaults(checkpoint: Checkpoint) -> dict:
 def load_model(path, backend: str = "torch", dtype: str = "float32", device: Optional[str] = None, tp: int = 1):
     """Load a Qwen3.5 checkpoint folder as a native ``backend`` model in ``dtype``.
 
-    ``device``: a torch device string for ``backend="torch"`` (default CPU); for
+    ``device``: a torch device string for ``backend="torch"`` (default CPU; with ``tp > 1`` the
+    rank's own accelerator, ``npu:<LOCAL_RANK>`` / ``cuda:<LOCAL_RANK>``, where one exists); for
     ``backend="mindspore"`` the MindSpore device target ("CPU", "Ascend"), which must be the one
     already selected with ``mindspore.set_device`` (default: whatever is selected).
     The model carries ``generation_defaults`` (eos/pad/bos ids from generation_config.json).
@@ -191,6 +192,10 @@ def load_model(path, backend: str = "torch", dtype: str = "float32", device: Opt
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if device is not None and not isinstance(device, str):
         raise TypeError(f"device must be a str or None, got {type(device).__name__} {device!r}")
+    if backend == "torch" and tp > 1 and device is None:
+        from hyper_gen.backends.torch_npu import rank_device
+
+        device = rank_device()  # the collective library (HCCL/NCCL/gloo) follows the same choice
     device = _check_device_dtype(backend, dtype, device)
 
     checkpoint = Checkpoint(path)

@@ -184,3 +184,14 @@ def test_collective_bytes_per_decode_step_formula(paths):
     assert collective_bytes_per_decode_step(config, 8, 1, 4) == 0.0
     with pytest.raises(ValueError, match="tp must be an int >= 1"):
         collective_bytes_per_decode_step(config, 1, 0, 4)
+
+
+def test_tp_ranks_default_to_their_own_accelerator(monkeypatch):
+    import hyper_gen.backends.torch_npu as adapter
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(adapter, "default_device", lambda: "npu")
+    assert adapter.rank_device() == "npu:1"
+    assert adapter.distributed_backend(adapter.rank_device()) == "hccl"
+    monkeypatch.setattr(adapter, "default_device", lambda: "cpu")
+    assert adapter.rank_device() == "cpu" and adapter.distributed_backend("cpu") == "gloo"

@@ -27,9 +27,17 @@ def default_device() -> str:
     return "npu" if npu_available() else "cpu"
 
 
+def rank_device() -> str:
+    """This rank's device in a multi-rank job: the accelerator numbered by LOCAL_RANK, else CPU."""
+    import os
+
+    kind = default_device()
+    return kind if kind == "cpu" else f"{kind}:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
 def distributed_backend(device: str) -> str:
     """The collective library for ``device``: HCCL on Ascend, NCCL on CUDA, gloo on CPU."""
-    kind = torch.device(device).type
+    kind = str(device).split(":")[0]  # by name: torch.device("npu") needs torch_npu imported
     return {"npu": "hccl", "cuda": "nccl"}.get(kind, "gloo")
 
 
@@ -46,4 +54,4 @@ def ops_for(obj):
     return None
 
 
-__all__ = ["TorchOps", "ops_for", "torch_dtype", "default_device", "distributed_backend", "npu_available"]
+__all__ = ["TorchOps", "ops_for", "torch_dtype", "default_device", "rank_device", "distributed_backend", "npu_available"]
