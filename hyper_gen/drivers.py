@@ -193,9 +193,11 @@ class HFDriver(_Driver):
         return self.ops.asarray(self.host_mask, "int64") if self.prompt.padded else None
 
     def _positions(self, last_only: bool):
+        if last_only:  # the new token of each row: real prompt length + step
+            positions, self.next_position = self.next_position[:, None], self.next_position + 1
+            return self.ops.asarray(positions, "int64")
         mask = self.host_mask
-        positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)
-        return self.ops.asarray(positions[:, -1:] if last_only else positions, "int64")
+        return self.ops.asarray(np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0).astype(np.int64), "int64")
 
     def _forward(self, ids, last_only: bool):
         return self.model(input_ids=ids, attention_mask=self._mask2d(), position_ids=self._positions(last_only),

@@ -33,6 +33,15 @@ class TPPlan:
         if not 0 <= self.rank < self.tp:
             raise ValueError(f"rank must be in [0, tp={self.tp}), got {self.rank}")
 
+    @classmethod
+    def resolve(cls, plan) -> "TPPlan":
+        """``plan`` itself, or the single-device plan for None; anything else is a TypeError."""
+        if plan is None:
+            return cls()
+        if not isinstance(plan, cls):
+            raise TypeError(f"plan must be a hyper_gen.tensor_parallel.TPPlan or None, got {type(plan).__name__}")
+        return plan
+
     def block(self, total: int, name: str) -> Tuple[int, int]:
         """This rank's contiguous [start, stop) of ``total`` items split evenly."""
         if total % self.tp:

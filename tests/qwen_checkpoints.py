@@ -48,6 +48,15 @@ TINY_TEXT_CONFIG = dict(
     eos_token_id=[5, 7],
     pad_token_id=0,
 )
+# checkpoint variants the model parity suites of both backends run: name -> (kind, make_checkpoint keywords)
+VARIANTS = {
+    "dense": ("dense", {}),
+    "dense_tied": ("dense", {"tie_word_embeddings": True}),
+    "moe": ("moe", {}),
+    "moe_fused": ("moe", {"fused_experts": True}),
+    "multimodal_tied": ("multimodal", {"tie_word_embeddings": True}),
+    "multimodal_moe": ("multimodal_moe", {}),
+}
 TINY_MOE_CONFIG = dict(
     num_experts=6,
     num_experts_per_tok=2,

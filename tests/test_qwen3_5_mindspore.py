@@ -27,7 +27,7 @@ from hyper_gen.backends.mindspore.ops import MindSporeOps
 from hyper_gen.cache import DynamicCache, StaticCache
 from hyper_gen.checkpoint import Checkpoint
 from hyper_gen.loading import TextConfig, load_model
-from qwen_checkpoints import TINY_TEXT_CONFIG, load_hf, make_checkpoint
+from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, load_hf, make_checkpoint
 from error_log import ErrorLog
 
 configure("CPU")
@@ -35,14 +35,6 @@ configure("CPU")
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 VOCAB = TINY_TEXT_CONFIG["vocab_size"]
 DECODE_STEPS = 3
-VARIANTS = {  # name -> (kind, make_checkpoint keywords)
-    "dense": ("dense", {}),
-    "dense_tied": ("dense", {"tie_word_embeddings": True}),
-    "moe": ("moe", {}),
-    "moe_fused": ("moe", {"fused_experts": True}),
-    "multimodal_tied": ("multimodal", {"tie_word_embeddings": True}),
-    "multimodal_moe": ("multimodal_moe", {}),
-}
 ERRORS = ErrorLog()
 MAX_ERRORS = ERRORS.max_errors  # (test id) -> max abs error, printed at the end with -s
 

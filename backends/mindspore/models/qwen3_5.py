@@ -790,10 +790,7 @@ def load(checkpoint, dtype: str = "float32", plan: TPPlan = None, group=None) ->
     ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
     model); ``group``: the communication group of the ``tp`` ranks (None: the world group, whose
     size and this process's rank must then be ``tp`` and ``plan.rank``)."""
-    if plan is None:
-        plan = TPPlan()
-    if not isinstance(plan, TPPlan):
-        raise TypeError(f"plan must be a hyper_gen.tensor_parallel.TPPlan or None, got {type(plan).__name__}")
+    plan = TPPlan.resolve(plan)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":

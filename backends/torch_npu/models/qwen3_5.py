@@ -689,10 +689,7 @@ def load(checkpoint: Checkpoint, dtype: str = "float32", device=None, plan: Opti
     ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
     model); ``group``: the torch.distributed group of the ``tp`` ranks (None: the world group,
     whose size and this process's rank must then be ``tp`` and ``plan.rank``)."""
-    if plan is None:
-        plan = TPPlan()
-    if not isinstance(plan, TPPlan):
-        raise TypeError(f"plan must be a hyper_gen.tensor_parallel.TPPlan or None, got {type(plan).__name__}")
+    plan = TPPlan.resolve(plan)
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
     if str(device).startswith("npu") and not npu_available():
