@@ -8,7 +8,7 @@ import sys
 from transformers import AutoTokenizer
 
 from hyper_gen import GenerationConfig, generate, load_model
-from hyper_gen.cli import demo_model_path
+from hyper_gen.demo import demo_model_path
 
 backend = sys.argv[1] if len(sys.argv) > 1 else "torch"
 model = load_model(demo_model_path(), backend=backend)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Train the tiny demo model bundled with hyper_gen (``hyper_gen/demo_model``), from scratch, on CPU.
+"""Train the tiny demo model bundled with hyper_gen (``hyper_gen/demo/model``), from scratch, on CPU.
 
 The model is a real ``Qwen3_5ForCausalLM`` (transformers' Qwen3.5 text architecture: hybrid Gated
 DeltaNet linear-attention + gated full-attention layers), shrunk to ~0.67M parameters, trained on the
-synthetic digit-reversal task of ``hyper_gen/demo_task.py`` ("rev 12345 =" -> " 54321" <eos>).
+synthetic digit-reversal task of ``hyper_gen/demo/task.py`` ("rev 12345 =" -> " 54321" <eos>).
 The tokenizer is a character-level HF ``tokenizers`` tokenizer over printable ASCII.
 
-    python examples/train_demo_model.py                      # writes hyper_gen/demo_model/
+    python examples/train_demo_model.py                      # writes hyper_gen/demo/model/
     python examples/train_demo_model.py --out /tmp/demo --steps 300
 
 At the end it reloads the saved folder with ``AutoModelForCausalLM`` / ``AutoTokenizer`` and prints
@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from hyper_gen import demo_task  # noqa: E402  (pure python: the task, shared with the tests)
+from hyper_gen.demo import task as demo_task  # noqa: E402  (pure python: the task, shared with the tests)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, EOS, UNK]  # ids 0, 1, 2
@@ -241,7 +241,7 @@ def evaluate_chat(model, tokenizer, pairs):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.path.join(REPO, "hyper_gen", "demo_model"))
+    parser.add_argument("--out", default=os.path.join(REPO, "hyper_gen", "demo", "model"))
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -330,7 +330,7 @@ def main(argv=None):
             "gated attention layers) with a character-level tokenizer, trained from scratch by "
             f"`python examples/train_demo_model.py --steps {args.steps} --seed {args.seed}` "
             f"({train_s / 60:.1f} min wall clock on {args.threads} CPU threads; embeddings tied, no lm_head.weight).\n"
-            "Task (`hyper_gen/demo_task.py`): reverse 1-8 digits, prompt `rev 12345 =` -> completion "
+            "Task (`hyper_gen/demo/task.py`): reverse 1-8 digits, prompt `rev 12345 =` -> completion "
             "` 54321` + `<eos>`; the chat template renders user turns as the raw prompt.\n"
             f"Held-out greedy accuracy (HF generate, {len(pairs)} prompts never seen in training): "
             f"{result['single']:.1%} one at a time, {result['batched']:.1%} in left-padded batches of 32, "

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 
 def load_model(*args, **kwargs):
-    """Load an HF Qwen3.5 checkpoint as a native model (see ``hyper_gen.loading.load_model``)."""
-    from .loading import load_model as _load_model
+    """Load an HF Qwen3.5 checkpoint as a native model (see ``hyper_gen.models.loading.load_model``)."""
+    from .models.loading import load_model as _load_model
 
     return _load_model(*args, **kwargs)

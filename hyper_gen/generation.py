@@ -15,8 +15,8 @@ import numpy as np
 from .config import GenerationConfig, resolve_config
 from .drivers import make_driver
 from .inputs import prepare_prompts
-from .ops import backend_for
-from .parallel import check_consistent_inputs, gather_vocab_logits
+from .registry import backend_for
+from .parallel.model_group import check_consistent_inputs, gather_vocab_logits
 from .sampling import TokenSelector, apply_stopping_criteria
 
 OnTokens = Callable[[int, np.ndarray, np.ndarray], Any]

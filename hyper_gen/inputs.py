@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .ops import to_host
+from .registry import to_host
 
 
 @dataclass(frozen=True)

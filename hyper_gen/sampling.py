@@ -110,7 +110,7 @@ def apply_stopping_criteria(criteria, input_ids_view, scores, batch: int) -> Opt
     """OR of the user's criteria as a (B,) bool host array; None when there are none."""
     if not criteria:
         return None
-    from .ops import to_host
+    from .registry import to_host
 
     stop = np.zeros(batch, dtype=bool)
     for criterion in criteria:

@@ -1,6 +1,6 @@
-"""Held-out prompts and the answer check for the bundled demo model (``hyper_gen/demo_model``).
+"""Held-out prompts and the answer check for the bundled demo model (``hyper_gen/demo/model``).
 
-The task itself lives in ``hyper_gen/demo_task.py`` (pure python, shared with
+The task itself lives in ``hyper_gen/demo/task.py`` (pure python, shared with
 ``examples/train_demo_model.py``); this module only re-exports what a test needs::
 
     from demo_task import make_prompts, is_correct
@@ -10,9 +10,9 @@ The task itself lives in ``hyper_gen/demo_task.py`` (pure python, shared with
 
 import os
 
-from hyper_gen.demo_task import MAX_DIGITS, answer_for, is_correct, make_prompts, parse_prompt, prompt_for
+from hyper_gen.demo.task import MAX_DIGITS, answer_for, is_correct, make_prompts, parse_prompt, prompt_for
 
 # the checkout's copy (tests run from the repository); an installed package has it under hyper_gen/
-DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyper_gen", "demo_model")
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyper_gen", "demo", "model")
 
 __all__ = ["make_prompts", "is_correct", "parse_prompt", "prompt_for", "answer_for", "MAX_DIGITS", "DEMO_MODEL_DIR"]

@@ -5,7 +5,7 @@ import pytest
 
 from backend_harness import MindSporeHarness, TorchHarness
 from hyper_gen import GenerationConfig, StaticCache, DynamicCache, generate
-from hyper_gen.ops import backend_for
+from hyper_gen.registry import backend_for
 
 IDS = [[0, 0, 0, 11, 12, 13], [0, 21, 22, 23, 24, 25], [31, 32, 33, 34, 35, 36]]
 MASK = [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]

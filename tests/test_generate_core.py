@@ -95,7 +95,7 @@ def test_gen_ut_06_kvcache_api(backend):
     cache.update([(k, k), (k, k)])
     assert len(cache) == 2 and cache.get_seq_length() == 3
     new = backend.tensor(np.ones((1, 2, 1, 4)), "float32")
-    from hyper_gen.ops import backend_for
+    from hyper_gen.registry import backend_for
 
     cache.merge([(new, new), (new, new)], backend_for(k).concat)
     assert cache.get_seq_length() == 4

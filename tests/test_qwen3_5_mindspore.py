@@ -25,8 +25,9 @@ from hyper_gen.backends.mindspore import configure
 from hyper_gen.backends.mindspore.models import qwen3_5 as native
 from hyper_gen.backends.mindspore.ops import MindSporeOps
 from hyper_gen.cache import DynamicCache, StaticCache
-from hyper_gen.checkpoint import Checkpoint
-from hyper_gen.loading import TextConfig, load_model
+from hyper_gen.models.checkpoint import Checkpoint
+from hyper_gen.models.loading import load_model
+from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, load_hf, make_checkpoint
 from error_log import ErrorLog
 
@@ -284,7 +285,7 @@ def test_bfloat16_checkpoint_loads_as_float32(checkpoint_dir):
 def test_model_attributes(models, path):
     model, _ = models("moe", "float16")
     assert model.supports_cache_object is True and isinstance(model, ms.nn.Cell)
-    assert isinstance(model.config, TextConfig) and model.config.is_moe
+    assert isinstance(model.config, Qwen3_5Config) and model.config.is_moe
     assert model.vocab_size == VOCAB
     assert model.dtype == ms.float16 and MindSporeOps().param_dtype(model) == "float16"
     assert all(p.dtype == ms.float16 and not p.requires_grad for p in model.get_parameters())

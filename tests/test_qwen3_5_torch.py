@@ -18,9 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hyper_gen.backends.torch_npu.ops import TorchOps
+from hyper_gen.backends.torch.ops import TorchOps
 from hyper_gen.cache import DynamicCache, StaticCache
-from hyper_gen.loading import SUPPORTED_ARCHITECTURES, TextConfig, load_model
+from hyper_gen.models.loading import load_model
+from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config
 from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, load_hf, make_checkpoint
 from error_log import ErrorLog
 
@@ -316,7 +317,7 @@ def test_bfloat16_checkpoint_loads_as_float32(checkpoint_dir):
 def test_model_attributes(models):
     model, _ = models("moe", "float32")
     assert model.supports_cache_object is True
-    assert isinstance(model.config, TextConfig) and model.config.is_moe
+    assert isinstance(model.config, Qwen3_5Config) and model.config.is_moe
     assert model.vocab_size == VOCAB
     assert model.generation_defaults == {"eos_token_id": [5, 7], "pad_token_id": 0}
     assert not any(p.requires_grad for p in model.parameters())
@@ -343,7 +344,7 @@ def test_linear_attention_state_layout(models):
 
 
 def test_loading_imports_no_framework():
-    code = "import sys, hyper_gen.loading; assert 'torch' not in sys.modules and 'mindspore' not in sys.modules"
+    code = "import sys, hyper_gen.models.loading; assert 'torch' not in sys.modules and 'mindspore' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -406,7 +407,7 @@ def test_missing_path_and_files(tmp_path):
 def test_unknown_architecture_lists_supported(dense_path, tmp_path):
     path = _copy(dense_path, tmp_path, "llama")
     _edit_config(path, architectures=["LlamaForCausalLM"])
-    with pytest.raises(ValueError, match="'LlamaForCausalLM'.*supported: " + ", ".join(SUPPORTED_ARCHITECTURES)):
+    with pytest.raises(ValueError, match="'LlamaForCausalLM'.*supported: " + ", ".join(ARCHITECTURES)):
         load_model(path)
 
 

@@ -168,8 +168,8 @@ def test_split_errors_without_msrun(tmp_path):
     without a matching communication group fails with the group named."""
     from hyper_gen.backends.mindspore import configure
     from hyper_gen.backends.mindspore.models import qwen3_5
-    from hyper_gen.checkpoint import Checkpoint
-    from hyper_gen.tensor_parallel import TPPlan
+    from hyper_gen.models.checkpoint import Checkpoint
+    from hyper_gen.parallel.tp_plan import TPPlan
 
     configure("CPU")
     path = make_checkpoint(tmp_path, "moe")
@@ -187,6 +187,6 @@ def test_split_errors_without_msrun(tmp_path):
         qwen3_5.load(Counting(path), "float32", plan=TPPlan(4, 0))
     with pytest.raises(ValueError, match=r"plan tp=2 but the world group has 1 rank"):
         qwen3_5.load(Counting(path), "float32", plan=TPPlan(2, 0))
-    with pytest.raises(TypeError, match="plan must be a hyper_gen.tensor_parallel.TPPlan"):
+    with pytest.raises(TypeError, match="plan must be a hyper_gen.parallel.tp_plan.TPPlan"):
         qwen3_5.load(Counting(path), "float32", plan=2)
     assert Counting.reads == 0

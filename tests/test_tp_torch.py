@@ -9,10 +9,11 @@ import re
 
 import pytest
 
-from hyper_gen.checkpoint import Checkpoint
-from hyper_gen.loading import TextConfig, load_model
-from hyper_gen.tensor_parallel import TPPlan
-from hyper_gen.tp_traffic import collective_bytes_per_decode_step, decode_step_collectives
+from hyper_gen.models.checkpoint import Checkpoint
+from hyper_gen.models.loading import load_model
+from hyper_gen.models.qwen3_5 import Qwen3_5Config
+from hyper_gen.parallel.tp_plan import TPPlan
+from hyper_gen.models.qwen3_5.tp_traffic import collective_bytes_per_decode_step, decode_step_collectives
 from launch import script, torchrun
 from qwen_checkpoints import make_checkpoint
 
@@ -142,7 +143,7 @@ def single_process(monkeypatch):
 def test_tp_that_does_not_divide_the_heads_fails_before_any_weight_is_read(paths, no_weight_reads, single_process):
     with pytest.raises(ValueError, match="tp=3 does not divide num_attention_heads=4"):
         load_model(paths["dense"], backend="torch", tp=3)
-    from hyper_gen.backends.torch_npu.models import qwen3_5
+    from hyper_gen.backends.torch.models import qwen3_5
 
     with pytest.raises(ValueError, match="tp=3 does not divide num_attention_heads=4"):
         qwen3_5.load(Checkpoint(paths["moe"]), "float32", plan=TPPlan(3, 1))
@@ -152,11 +153,11 @@ def test_tp_that_does_not_divide_the_heads_fails_before_any_weight_is_read(paths
 
 
 def test_tp_plan_without_a_process_group_is_refused(paths, no_weight_reads, single_process):
-    from hyper_gen.backends.torch_npu.models import qwen3_5
+    from hyper_gen.backends.torch.models import qwen3_5
 
     with pytest.raises(ValueError, match="tp=2 needs an initialised torch.distributed process group.*torchrun"):
         qwen3_5.load(Checkpoint(paths["dense"]), "float32", plan=TPPlan(2, 1))
-    with pytest.raises(TypeError, match="plan must be a hyper_gen.tensor_parallel.TPPlan"):
+    with pytest.raises(TypeError, match="plan must be a hyper_gen.parallel.tp_plan.TPPlan"):
         qwen3_5.load(Checkpoint(paths["dense"]), "float32", plan=(2, 1))
 
 
@@ -174,7 +175,7 @@ def test_bad_tp_values(paths, tp):
 # ------------------------------------------------------------------------------ traffic formula
 
 def test_collective_bytes_per_decode_step_formula(paths):
-    config = TextConfig.from_dict(Checkpoint(paths["dense"]).config)  # hidden 32, 4 layers, vocab 97
+    config = Qwen3_5Config.from_dict(Checkpoint(paths["dense"]).config)  # hidden 32, 4 layers, vocab 97
     assert decode_step_collectives(config, batch=3, tp=2, dtype_bytes=4) == {
         "all_reduce": (9, 3 * 32 * 4), "all_gather": (1, 3 * 49 * 4)}
     # (1 + 2 * 4) * B*H*4 * 2*(2-1)/2  +  B * 98 * 4 * (2-1)/2
@@ -187,7 +188,7 @@ def test_collective_bytes_per_decode_step_formula(paths):
 
 
 def test_tp_ranks_default_to_their_own_accelerator(monkeypatch):
-    import hyper_gen.backends.torch_npu as adapter
+    import hyper_gen.backends.torch.devices as adapter
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(adapter, "default_device", lambda: "npu")

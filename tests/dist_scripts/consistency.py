@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from hyper_gen import GenerationConfig, generate
-from hyper_gen.distributed import host_ops, init_distributed
+from hyper_gen.parallel.launcher import host_ops, init_distributed
 
 framework = sys.argv[1]
 assert init_distributed(framework)
@@ -57,6 +57,6 @@ for name, c in [("greedy", cfg), ("seeded", cfg.replace(do_sample=True, seed=3, 
     b = harness.numpy(generate(sharded, padded, c, attention_mask=mask))
     print(f"rank {rank}: vocab-parallel {name} equal={np.array_equal(a, b)} tokens={b.tolist()}", flush=True)
 
-from hyper_gen.distributed import shutdown_distributed  # noqa: E402
+from hyper_gen.parallel.launcher import shutdown_distributed  # noqa: E402
 
 shutdown_distributed(framework)  # a clean teardown: gloo aborts the process if the group outlives it

@@ -19,9 +19,9 @@ from hyper_gen import GenerationConfig, generate
 from hyper_gen.backends.mindspore.models import qwen3_5
 from hyper_gen.backends.mindspore.ops import MindSporeOps
 from hyper_gen.cache import StaticCache
-from hyper_gen.checkpoint import Checkpoint
-from hyper_gen.distributed import host_ops, init_distributed
-from hyper_gen.tensor_parallel import TPPlan
+from hyper_gen.models.checkpoint import Checkpoint
+from hyper_gen.parallel.launcher import host_ops, init_distributed
+from hyper_gen.parallel.tp_plan import TPPlan
 
 assert init_distributed("mindspore")
 ops = host_ops("mindspore")

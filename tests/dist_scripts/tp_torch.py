@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from hyper_gen import GenerationConfig, generate, load_model
-from hyper_gen.backends.torch_npu.ops import TorchOps
+from hyper_gen.backends.torch.ops import TorchOps
 from hyper_gen.cache import DynamicCache, StaticCache
-from hyper_gen.checkpoint import Checkpoint
-from hyper_gen.tensor_parallel import TPPlan
-from hyper_gen.tp_traffic import collective_bytes_per_decode_step, decode_step_collectives
+from hyper_gen.models import qwen3_5 as qwen3_5_family
+from hyper_gen.models.checkpoint import Checkpoint
+from hyper_gen.parallel.tp_plan import TPPlan
+from hyper_gen.models.qwen3_5.tp_traffic import collective_bytes_per_decode_step, decode_step_collectives
 
 torch.set_num_threads(1)
 checkpoints = [arg.split("=", 1) for arg in sys.argv[1:]]
@@ -172,15 +173,15 @@ for label, path in checkpoints:
 
 # tp must be the job's world size (the tiny configs split only at tp 1 and 2, so the plan check,
 # which would fail first, is bypassed here)
-check = TPPlan.check
-TPPlan.check = lambda self, config: None
+check = qwen3_5_family.check_tp
+qwen3_5_family.check_tp = lambda plan, config: None
 try:
     load_model(checkpoints[0][1], backend="torch", tp=4)
     say(f"rank {rank}: world NO ERROR")
 except ValueError as exc:
     say(f"rank {rank}: world ValueError: {exc}")
 finally:
-    TPPlan.check = check
+    qwen3_5_family.check_tp = check
 
 # a rank handed a different prompt: ValueError on both ranks, no hang
 ids, mask, _ = padded_batch(tp_model.vocab_size)

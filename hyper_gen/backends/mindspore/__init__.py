@@ -1,0 +1,107 @@
+"""MindSpore adapter (CPU here; Ascend where present); importing it selects the device.
+
+Device choice: Ascend when MindSpore was built with it and a device is visible, else CPU.
+Asynchronous PyNative launching is very slow for the small ops of a decode loop on CPU, so the
+adapter switches to blocking launches there (``mindspore.runtime.launch_blocking()``).
+
+The adapter interface every backend provides is described in ``hyper_gen.registry``.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+
+from .ops import MindSporeOps, ms_dtype
+
+NAME = "mindspore"
+_CONFIGURED = False
+
+
+def default_device() -> str:
+    """ "Ascend" when an Ascend device is usable, else "CPU"."""
+    try:
+        if ms.hal.is_available("Ascend") and ms.hal.device_count("Ascend") > 0:
+            return "Ascend"
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return "CPU"
+
+
+def configure(device: str = None) -> str:
+    """Pick the device once per process (``set_device`` may only be called before first use)."""
+    global _CONFIGURED
+    if not _CONFIGURED:
+        device = device or default_device()
+        try:
+            ms.set_device(device)
+        except RuntimeError:
+            pass  # the user already chose a device
+        if ms.get_context("device_target") == "CPU":
+            ms.runtime.launch_blocking()
+        _CONFIGURED = True
+    return ms.get_context("device_target")
+
+
+# Configure on import: tensors created before launch_blocking() stay on the slow asynchronous
+# path (a model built first decodes far slower; docs/performance.md).
+configure()
+
+from . import models  # noqa: E402  (after configure: nothing may create a tensor first)
+from .launch import init_from_env as init_distributed  # noqa: E402
+from .launch import shutdown as shutdown_distributed  # noqa: E402
+
+
+def limit_threads(threads: int) -> str:
+    """MindSpore fixes its CPU thread pool when the context is created: nothing to set later."""
+    return "MindSpore's default CPU threads"
+
+
+def launcher(ranks: int) -> str:
+    return f"msrun --worker_num {ranks}"
+
+
+def resolve_device(device, dtype: str, tp: int = 1) -> str:
+    """The selected MindSpore device target; ``device`` must name it (``mindspore.set_device``
+    chooses, once per process), and bfloat16 cannot compute on CPU."""
+    target = ms.get_context("device_target")
+    if device is not None and str(device).lower() != str(target).lower():
+        raise ValueError(
+            f"device {device!r} is not the selected MindSpore device target {target!r}: call "
+            f"mindspore.set_device({device!r}) before load_model"
+        )
+    if dtype == "bfloat16" and str(target).upper() == "CPU":
+        raise ValueError(
+            "dtype 'bfloat16' is not supported by MindSpore on CPU (storage only); use float32, float16 or float64"
+        )
+    return target
+
+
+def ops_for(obj):
+    """MindSporeOps for a Cell or Tensor, else None."""
+    if isinstance(obj, (ms.Tensor, ms.nn.Cell)):
+        configure()
+        return MindSporeOps()
+    return None
+
+
+def host_ops() -> MindSporeOps:
+    """Ops for moving host values between ranks."""
+    configure()
+    return MindSporeOps()
+
+
+__all__ = [
+    "NAME",
+    "MindSporeOps",
+    "configure",
+    "default_device",
+    "host_ops",
+    "init_distributed",
+    "launcher",
+    "limit_threads",
+    "models",
+    "ms_dtype",
+    "ops_for",
+    "resolve_device",
+    "shutdown_distributed",
+]

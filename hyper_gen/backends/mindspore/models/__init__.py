@@ -1,0 +1,1 @@
+"""Native MindSpore model kernels, one module per model family (``hyper_gen.models`` describes them)."""

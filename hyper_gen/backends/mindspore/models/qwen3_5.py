@@ -1,0 +1,820 @@
+"""Qwen3.5 (dense and MoE) written natively in MindSpore for the cache-object contract.
+
+Semantics follow transformers 5.23 ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` (text part):
+3 Gated DeltaNet layers to 1 gated full-attention layer, zero-centred RMSNorm, partial rotary.
+Layout choices are for MindSpore on CPU (design guide, "MindSpore 2.10 on CPU: measured facts"):
+
+* every projection is stored transposed, (in, out), and applied as ``x @ W`` on 2-D (tokens,
+  features) activations: 20x faster on MindSpore CPU than ``linear`` with the checkpoint's
+  (out, in) layout, and 2-D matmuls beat 3-D ones for one decode row;
+* projections that read the same input are concatenated into one matrix (q|k|v|gate, the DeltaNet
+  qkv|z|b|a, the MLP gate|up, the MoE router|shared-expert gate): fewer, larger ops;
+* every RMSNorm weight that feeds a projection is folded into that projection's rows at load time
+  (``(1 + w)`` of the zero-centred norms, the gated norm's ``w`` into out_proj), so a norm is
+  ``x / sqrt(mean(x^2) + eps)``: five small ops;
+* heads, experts and the vocabulary stay contiguous along the ``out`` axis, so a tensor-parallel
+  loader can slice them per rank;
+* mint ops without CPU kernels are avoided; nothing relies on in-place ops (they silently do
+  nothing on CPU): caches are written by ``cache.update`` (slice assignment) or by rebinding.
+
+Decode speed on CPU is per-op overhead (10-50 us an op, whatever its size) plus the weight reads,
+so the one-token paths are written for the fewest and cheapest kernels (measured, MindSpore 2.10,
+2 cores): cached primitives instead of Tensor operators (``+`` costs 25 us, ``ops.Add`` 15 us);
+``Mul`` is the slowest elementwise kernel (35 us even for 8 elements, ~0.8 ms when it broadcasts a
+per-head scalar over the (H, Dk, Dv) delta-rule state) while ``MulNoNan`` takes 19 us and
+``RealDiv`` broadcasts over the state in ~0.1 ms, so products are ``MulNoNan`` (identical but for
+``inf * 0``) and the state decays as ``S / exp(-g)``; ``BatchMatMul`` with transpose flags instead
+of transposed copies; rotary as one matmul with a +-1 rotation matrix; ``mint.nn.functional.softplus``
+(exact to 3e-16 in float64, unlike ``ops.softplus``); sub-cells are called through ``construct``
+(``Cell.__call__`` costs ~20 us).
+
+Precision: float32 and float64 models compute everything in their own dtype; float16 models keep
+what HF upcasts (norms, softmax, rotary tables, the delta rule and its state) in float32. The
+linear-attention recurrent state is float32, or float64 in a float64 model.
+
+Tensor parallelism (``load(checkpoint, dtype, plan=TPPlan(tp, rank), group=None)``, under msrun):
+each rank reads only its slices with ``Checkpoint.get_slice``, exactly as
+``hyper_gen.parallel.tp_plan.TPPlan`` assigns them (``plan.check`` runs before any weight is read,
+so a tp that does not divide the heads fails at once). Attention query(+gate)/K/V heads, Gated
+DeltaNet key heads with their value heads, MLP / expert / shared-expert intermediate dims and the
+vocabulary are split; the router, the shared-expert gate and every norm weight are replicated.
+A decoder layer sums its mixer's and its MLP's row-parallel partial outputs with one all-reduce
+each; the vocab-parallel embedding (out-of-range ids masked, local gather) with one more. The LM
+head returns this rank's vocabulary block of logits, zero-padded to ``plan.padded_vocab(V)``;
+``parallel_group`` / ``vocab_parallel`` / ``vocab_size`` tell generate() to all-gather and trim
+them. Per decode step that is ``2 * num_hidden_layers + 1`` all-reduces of (B, 1, hidden) plus
+one all-gather of (B, padded V / tp) logits per rank.
+
+MindSpore's CPU AllReduce has no float64 kernel (TypeError) and its float64 AllGather silently
+rounds to float32, so a float64 model sums exactly instead: each rank's float64 bits travel as
+int32 words through AllGather (exact) and every rank adds the tp parts in rank order. That costs
+tp times the all-reduce volume and is meant for validation (float64 TP logits match one device
+to ~1e-13); float32 / float16 use the native AllReduce.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
+
+from hyper_gen.backends.mindspore.ops import MindSporeOps
+from hyper_gen.cache import DynamicCache
+from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, check_tp
+from hyper_gen.parallel.tp_plan import TPPlan
+
+DTYPES = {"float32": ms.float32, "float64": ms.float64, "float16": ms.float16, "bfloat16": ms.bfloat16}
+_CHUNK = 64  # Gated DeltaNet prefill chunk, as HF/FLA
+# Most LM head columns per matmul: one 248k-wide matrix-vector product reads ~25% slower than 4
+# of 62k on MindSpore CPU (measured 37 vs 41-54 GB/s). See _block_width for the exact width.
+_HEAD_COLUMNS = 65536
+
+
+# ----------------------------------------------------------------------------------------------
+# load-time helpers (numpy)
+
+
+def _round_to(array: np.ndarray, dtype: str) -> np.ndarray:
+    """``array`` rounded to ``dtype``'s precision but kept in its numpy dtype: parameters HF
+    upcasts before use (norm weights, A_log, dt_bias) must first lose what the model dtype loses."""
+    if dtype == "float16":
+        return array.astype(np.float16).astype(array.dtype)
+    if dtype == "bfloat16":  # round to nearest even on the top 16 bits of a float32
+        bits = array.astype(np.float32).view(np.uint32)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32).astype(array.dtype)
+    return array
+
+
+class _Weights:
+    """Reads a checkpoint's tensors (or this tensor-parallel rank's slices of them) into
+    MindSpore parameters of the model's layout and dtype."""
+
+    def __init__(self, checkpoint, dtype: str, plan: TPPlan):
+        self.checkpoint = checkpoint
+        self.plan = plan
+        self.dtype = dtype
+        self.ms_dtype = DTYPES[dtype]
+        self.acc = ms.float64 if dtype == "float64" else ms.float32
+        self.np_read = "float64" if dtype == "float64" else "float32"
+
+    def read(self, name: str, shape, axis: int = 0, window=None) -> np.ndarray:
+        """The tensor, or only ``[start, stop)`` of it along ``axis`` when ``window`` is given
+        (read from disk without materialising the rest); the full shape is checked either way."""
+        if window is None or tuple(window) == (0, shape[axis]):
+            return self.checkpoint.get(name, self.np_read, shape=shape)
+        if self.checkpoint.shape(name) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {self.checkpoint.shape(name)}, "
+                             f"expected {tuple(shape)}")
+        return self.checkpoint.get_slice(name, axis, window[0], window[1], self.np_read)
+
+    def param(self, array: np.ndarray, name: str = "Parameter") -> Parameter:
+        """A checkpoint weight in the model dtype (every Parameter of the model is in it)."""
+        if self.ms_dtype == ms.bfloat16:
+            tensor = Tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=ms.bfloat16)
+        else:
+            tensor = Tensor(np.ascontiguousarray(array, dtype=_numpy_dtype(self.ms_dtype)))
+        return Parameter(tensor, name=name, requires_grad=False)
+
+    def constant(self, array: np.ndarray) -> Tensor:
+        """A derived compute-dtype tensor (not a Parameter), after model-dtype rounding: what HF
+        computes with for the weights it upcasts (norm scales, decay rates, conv taps)."""
+        return Tensor(np.ascontiguousarray(_round_to(array, self.dtype), dtype=_numpy_dtype(self.acc)))
+
+    def projection(self, blocks: List[np.ndarray], in_scale: np.ndarray = None) -> Parameter:
+        """(out, in) matrices concatenated along out, stored (in, out); ``in_scale`` (in,) multiplies
+        the rows: the weight of the RMSNorm that feeds the projection, folded in once (the product
+        is taken in float64 and rounded to the model dtype once)."""
+        matrix = np.concatenate(blocks, axis=0).T
+        if in_scale is not None:
+            matrix = matrix.astype(np.float64) * in_scale.astype(np.float64)[:, None]
+        return self.param(matrix)
+
+    def linear_t(self, parts: List[tuple], in_scale: np.ndarray = None) -> Parameter:
+        """(out, in) checkpoint matrices [(name, shape) or (name, shape, (start, stop) rows)],
+        concatenated along out, stored (in, out): column-parallel slices when rows are given."""
+        return self.projection([self.read(name, shape, 0, rows[0] if rows else None)
+                                for name, shape, *rows in parts], in_scale)
+
+    def row_parallel_t(self, name: str, shape, columns, in_scale: np.ndarray = None) -> Parameter:
+        """An (out, in) matrix's ``in`` columns [start, stop), stored (in, out): a row-parallel
+        projection whose outputs the ranks sum."""
+        return self.projection([self.read(name, shape, 1, columns)], in_scale)
+
+    def vocab_rows(self, name: str, vocab: int, hidden: int) -> np.ndarray:
+        """This rank's block of a (vocab, hidden) matrix, zero rows where the block runs past the
+        real vocabulary (blocks are padded to a multiple of tp)."""
+        start, stop = self.plan.vocab(vocab)
+        real_stop = min(stop, vocab)
+        if real_stop > start:
+            rows = self.read(name, (vocab, hidden), 0, (start, real_stop))
+        else:
+            rows = np.zeros((0, hidden), self.np_read)
+        if real_stop < stop:
+            rows = np.concatenate([rows, np.zeros((stop - max(real_stop, start), hidden), rows.dtype)])
+        return rows
+
+    def norm_scale(self, name: str, size: int) -> np.ndarray:
+        """``1 + w`` of a zero-centred RMSNorm, as HF computes it (model-dtype ``w`` plus one in
+        the compute dtype), in numpy: to fold into a projection or to make a constant of."""
+        acc = _numpy_dtype(self.acc)
+        return (1.0 + _round_to(self.read(name, (size,)), self.dtype).astype(acc)).astype(acc)
+
+
+# ----------------------------------------------------------------------------------------------
+# compute helpers (MindSpore)
+
+
+def _scalar(value: float, dtype) -> Tensor:
+    """A 0-d tensor constant. MindSpore turns a Python float operand into float32 even next to a
+    float64 tensor (``x * 8 ** -0.5`` is off by 6e-9), so scales and epsilons are tensors of the
+    dtype they meet."""
+    return Tensor(value, dtype)
+
+
+def _cast(x: Tensor, dtype) -> Tensor:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+# Primitive instances made once: on CPU a call costs less than a Tensor operator, and MulNoNan /
+# RealDiv are cheaper kernels than Mul / Div (module docstring). Measured against the functional
+# ops.add / ops.mul / ops.div in the whole decode step: no faster.
+_matmul = ops.MatMul()
+_bmm = ops.BatchMatMul()
+_bmm_ta = ops.BatchMatMul(transpose_a=True)
+_bmm_tb = ops.BatchMatMul(transpose_b=True)
+_add = ops.Add()
+_sub = ops.Sub()
+_mul = ops.MulNoNan()  # x * y, except that inf/nan * 0 gives 0
+_div = ops.RealDiv()
+_square = ops.Square()
+_sqrt = ops.Sqrt()
+_sigmoid = ops.Sigmoid()
+_exp = ops.Exp()
+_softplus = mint.nn.functional.softplus  # torch's (threshold 20); ops.softplus is off by ~3e-6
+_softmax = mint.nn.functional.softmax
+_glu = mint.nn.functional.glu
+
+
+def _silu(x: Tensor) -> Tensor:
+    return _mul(x, _sigmoid(x))
+
+
+def _normalize(x: Tensor, eps: Tensor) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis: RMSNorm without its weight."""
+    return _div(x, _sqrt(_add(mint.mean(_square(x), -1, True), eps)))
+
+
+def _rms_norm(x: Tensor, eps: Tensor) -> Tensor:
+    """A zero-centred RMSNorm whose ``1 + w`` was folded into the next projection: normalised in
+    the compute dtype of ``eps``, returned in x's dtype."""
+    return _cast(_normalize(_cast(x, eps.dtype), eps), x.dtype)
+
+
+class _PartialSum:
+    """Sums row-parallel partial outputs over the tensor-parallel group (the identity at tp 1).
+
+    float32 / float16 use AllReduce. MindSpore's CPU AllReduce has no float64 kernel and its
+    float64 AllGather rounds to float32, so float64 bits travel as int32 words through AllGather
+    (exact) and every rank adds the parts in rank order: the same float64 sum on every rank."""
+
+    def __init__(self, tp: int, group=None):
+        self.tp = tp
+        self.group = group
+        self.ops = MindSporeOps()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.tp == 1:
+            return x
+        if x.dtype != ms.float64:
+            return self.ops.all_reduce(x, group=self.group)
+        words = x.reshape(1, -1).view(ms.int32)  # each float64 as two int32 words
+        parts = self.ops.all_gather(words, axis=0, group=self.group).view(ms.float64)  # (tp, numel)
+        total = parts[0]
+        for rank in range(1, self.tp):
+            total = total + parts[rank]
+        return total.reshape(x.shape)
+
+
+_CONSTANTS: Dict[tuple, object] = {}
+
+
+def _numpy_dtype(dtype):
+    """numpy dtype of a MindSpore float dtype (``mindspore.dtype_to_nptype`` is deprecated)."""
+    return {ms.float16: np.float16, ms.float32: np.float32, ms.float64: np.float64}[dtype]
+
+
+def _ones(shape: tuple, dtype) -> Tensor:
+    """A cached all-ones tensor."""
+    key = ("ones", shape, dtype)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = Tensor(np.ones(shape, _numpy_dtype(dtype)))
+    return _CONSTANTS[key]
+
+
+def _chunk_constants(size: int, dtype) -> tuple:
+    """(upper, strict_lower, eye) for one chunk size: -inf above the diagonal (added before exp),
+    1 strictly below it, and the identity."""
+    key = (size, dtype)
+    if key not in _CONSTANTS:
+        np_dtype = _numpy_dtype(dtype)
+        upper = np.triu(np.full((size, size), -np.inf), 1).astype(np_dtype)
+        strict_lower = np.tril(np.ones((size, size)), -1).astype(np_dtype)
+        _CONSTANTS[key] = (Tensor(upper), Tensor(strict_lower), Tensor(np.eye(size, dtype=np_dtype)))
+    return _CONSTANTS[key]
+
+
+_solve_lower = ops.MatrixTriangularSolve(lower=True)
+
+
+def _chunked_delta_rule(q, k, v, g, beta, state):
+    """Gated delta rule over a whole sequence, chunk by chunk (HF ``torch_chunk_gated_delta_rule``).
+
+    q, k (B, H, S, Dk) l2-normalised, v (B, H, S, Dv), g (log decay) and
+    beta (B, H, S), state (B, H, Dk, Dv) or None; all in the compute dtype. Inside a chunk the
+    delta updates are a unit lower-triangular system solved at once (the UT transform); chunks
+    are scanned in order. Sequences shorter than a chunk use a chunk of their own length (the
+    zero padding HF adds changes nothing but the cost).
+    """
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    size = min(_CHUNK, s)
+    n = -(-s // size)
+    pad = n * size - s
+    if pad:
+        q, k, v = (ops.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (ops.pad(t, (0, pad)) for t in (g, beta))
+    q = q.reshape(b, h, n, size, dk)
+    k = k.reshape(b, h, n, size, dk)
+    v = v.reshape(b, h, n, size, dv)
+    beta = beta.reshape(b, h, n, size, 1)
+    cum = ops.cumsum(g.reshape(b, h, n, size), -1)  # log decay from the chunk start
+    upper, strict_lower, eye = _chunk_constants(size, cum.dtype)
+    decay = ops.exp(cum[..., :, None] - cum[..., None, :] + upper)  # (.., i, j): decay j -> i, 0 for j > i
+    k_t = k.swapaxes(-1, -2)
+    k_beta = k * beta
+    system = eye + ops.matmul(k_beta, k_t) * decay * strict_lower
+    exp_cum = ops.exp(cum)[..., None]
+    solved = _solve_lower(system, ops.concat([v * beta, k_beta * exp_cum], -1))
+    values, k_cumdecay = solved[..., :dv], solved[..., dv:]
+    intra = ops.matmul(q, k_t) * decay
+    q = q * exp_cum
+    k_t = (k * ops.exp(cum[..., -1:] - cum)[..., None]).swapaxes(-1, -2)
+    chunk_decay = ops.exp(cum[..., -1])[..., None, None]
+    if state is None:
+        state = ops.zeros((b, h, dk, dv), cum.dtype)
+    outputs = []
+    for i in range(n):
+        v_new = values[:, :, i] - ops.matmul(k_cumdecay[:, :, i], state)
+        outputs.append(ops.matmul(q[:, :, i], state) + ops.matmul(intra[:, :, i], v_new))
+        state = state * chunk_decay[:, :, i] + ops.matmul(k_t[:, :, i], v_new)
+    out = outputs[0] if n == 1 else ops.concat(outputs, 2)
+    return (out[:, :, :s] if pad else out), state
+
+
+def _recurrent_step(q, k, v, inv_decay, beta, state):
+    """One decode step of the gated delta rule: q, k (B, H, 1, Dk), v (B, H, 1, Dv),
+    ``inv_decay = exp(-g)`` and beta (B, H, 1, 1), state (B, H, Dk, Dv); all in the compute dtype.
+    HF's ``S * exp(g)`` is computed as ``S / exp(-g)`` (same value to an ulp; module docstring)."""
+    state = _div(state, inv_decay)
+    delta = _mul(_sub(v, _bmm(k, state)), beta)
+    state = _add(state, _bmm_ta(k, delta))  # + k^T delta
+    return _bmm(q, state), state
+
+
+# ----------------------------------------------------------------------------------------------
+# layers
+#
+# Layers take and return 2-D (B * S, hidden) activations; ``b, s`` give the batch and length.
+
+
+class GatedAttention(nn.Cell):
+    """Full attention with a sigmoid output gate, per-head q/k RMSNorm, partial rotary, GQA.
+
+    One projection gives [queries | keys | values | gates] (HF interleaves each head's query and
+    gate rows; they are regrouped at load time). The q/k norms run on all q and k heads at once
+    with one (heads, head_dim) weight, the query rows pre-multiplied by the score scale (an ulp
+    from scaling the scores as HF does); rotary is ``x * cos + (x @ R) * sin`` with R the +-1
+    rotate-half matrix (exact), cos/sin (B * S, 1, head_dim) being 1/0 on the non-rotary dims.
+
+    Under tensor parallelism this rank holds a block of query heads and the KV heads they use
+    (``num_heads`` / ``num_kv_heads`` are the local counts); its output is a partial sum."""
+
+    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, prefix: str, layer_idx: int, in_scale: np.ndarray):
+        super().__init__()
+        self.layer_idx = layer_idx
+        plan = weights.plan
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_start, q_stop = plan.block(nh, "num_attention_heads")
+        kv_start, kv_stop = plan.kv_heads(nkv, nh)
+        self.num_heads = q_stop - q_start
+        self.num_kv_heads = kv_stop - kv_start
+        self.head_dim = d
+        self.acc = weights.acc
+        self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
+        h = cfg.hidden_size
+        kv_rows = (kv_start * d, kv_stop * d)
+        query_gate = weights.read(f"{prefix}.q_proj.weight", (nh * 2 * d, h), 0, (q_start * 2 * d, q_stop * 2 * d))
+        query_gate = query_gate.reshape(self.num_heads, 2, d, h)  # per head: [query rows | gate rows]
+        self.qkv_t = weights.projection([query_gate[:, 0].reshape(-1, h),
+                                         weights.read(f"{prefix}.k_proj.weight", (nkv * d, h), 0, kv_rows),
+                                         weights.read(f"{prefix}.v_proj.weight", (nkv * d, h), 0, kv_rows),
+                                         query_gate[:, 1].reshape(-1, h)], in_scale)
+        self.split_sizes = ((self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d, self.num_heads * d)
+        self.o_t = weights.row_parallel_t(f"{prefix}.o_proj.weight", (h, nh * d), (q_start * d, q_stop * d))
+        # q_norm and k_norm weights (1 + w), one row per local head; queries carry the score scale
+        acc = _numpy_dtype(weights.acc)
+        q_norm = weights.norm_scale(f"{prefix}.q_norm.weight", d) * acc(d ** -0.5)
+        k_norm = weights.norm_scale(f"{prefix}.k_norm.weight", d)
+        self.qk_norm = Tensor(np.concatenate([np.tile(q_norm, (1, self.num_heads, 1)),
+                                              np.tile(k_norm, (1, self.num_kv_heads, 1))], 1).astype(acc))
+        rot, half = cfg.rotary_dim, cfg.rotary_dim // 2
+        rotate = np.zeros((d, d))  # x @ rotate = rotate_half(x) = [-x2, x1] on the rotary dims, 0 elsewhere
+        rotate[np.arange(half, rot), np.arange(half)] = -1.0
+        rotate[np.arange(half), np.arange(half, rot)] = 1.0
+        self.rotate = Tensor(rotate, weights.ms_dtype)
+
+    def construct(self, x, b, s, cos, sin, attention_mask, cache):
+        n = b * s
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        heads = nh + nkv
+        qk, v, gate = mint.split(_matmul(x, self.qkv_t), self.split_sizes, -1)
+        qk = _cast(_mul(_normalize(_cast(qk.reshape(n, heads, d), self.acc), self.eps), self.qk_norm), x.dtype)
+        rotated = _matmul(qk.reshape(n * heads, d), self.rotate).reshape(n, heads, d)
+        q, k = mint.split(_add(_mul(qk, cos), _mul(rotated, sin)), (nh, nkv), 1)
+        group = nh // nkv
+        if s == 1:
+            k, v = k.reshape(b, nkv, 1, d), v.reshape(b, nkv, 1, d)
+            q = q.reshape(b, nkv, group, d)  # GQA without repeating K/V: a kv head's queries are rows
+        else:
+            k = k.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
+            v = v.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
+            q = q.reshape(b, s, nh, d).transpose(0, 2, 1, 3).reshape(b, nkv, group * s, d)
+        keys, values = cache.update(k, v, self.layer_idx)
+        t = keys.shape[2]
+        scores = _bmm_tb(q, keys)  # (B, nkv, group * S, T)
+        if s == 1:
+            scores = _add(scores, attention_mask)  # (B, 1, 1, T) over (B, nkv, group, T)
+        else:
+            scores = _add(scores.reshape(b, nkv, group, s, t), attention_mask[:, :, None])
+        probs = _cast(_softmax(_cast(scores, self.acc), -1), x.dtype)
+        out = _bmm(probs.reshape(b, nkv, group * s, t), values)
+        if s == 1:
+            out = out.reshape(n, nh * d)
+        else:
+            out = out.reshape(b, nh, s, d).transpose(0, 2, 1, 3).reshape(n, nh * d)
+        return _matmul(_mul(out, _sigmoid(gate)), self.o_t)
+
+
+class GatedDeltaNet(nn.Cell):
+    """Linear attention: causal depthwise conv, then the gated delta rule, then a gated RMSNorm.
+
+    A one-token step with a state (decode) runs the conv as one (B, kernel, channels) window
+    times the taps and the delta rule as ``_recurrent_step``; longer inputs use the shifted-sum
+    conv and ``_chunked_delta_rule``. q and k are l2-normalised together and the query scale
+    Dk ** -0.5 is never applied: the gated norm's epsilon absorbs it exactly (see
+    ``gated_norm_eps``). The gated norm's weight lives in out_proj's rows.
+
+    Under tensor parallelism this rank holds a block of key heads and the value heads they serve
+    (value head j uses key head j // (num_v_heads / num_k_heads)): their q | k | v channels,
+    z / b / a rows, decay parameters and out_proj columns; the head counts are local."""
+
+    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, prefix: str, layer_idx: int, in_scale: np.ndarray):
+        super().__init__()
+        self.layer_idx = layer_idx
+        plan = weights.plan
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        k_start, k_stop = plan.block(nk, "linear_num_key_heads")
+        v_start, v_stop = plan.block(nv, "linear_num_value_heads")
+        self.num_k_heads = k_stop - k_start
+        self.num_v_heads = v_stop - v_start
+        self.head_k_dim = dk
+        self.head_v_dim = dv
+        self.key_dim = self.num_k_heads * dk
+        self.value_dim = self.num_v_heads * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.acc = weights.acc
+        self.l2_eps = _scalar(1e-6, weights.acc)
+        # The queries stay unscaled: their output o = q @ S is then Dk ** 0.5 times HF's, and
+        # o / sqrt(mean(o^2) + eps * Dk) is exactly HF's gated norm of it (o only feeds that norm).
+        self.gated_norm_eps = _scalar(cfg.rms_norm_eps * dk, weights.acc)
+        h = cfg.hidden_size
+        # this rank's channels of the checkpoint's [q | k | v] conv channels (the full layout)
+        full_key_dim, full_value_dim = nk * dk, nv * dv
+        full_conv_dim = 2 * full_key_dim + full_value_dim
+        channels = [(k_start * dk, k_stop * dk), (full_key_dim + k_start * dk, full_key_dim + k_stop * dk),
+                    (2 * full_key_dim + v_start * dv, 2 * full_key_dim + v_stop * dv)]
+        value_rows, heads = (v_start * dv, v_stop * dv), (v_start, v_stop)
+        # one projection: [q | k | v] (the conv channels) | z | b | a
+        qkv = f"{prefix}.in_proj_qkv.weight"
+        self.in_proj_t = weights.linear_t([(qkv, (full_conv_dim, h), rows) for rows in channels] +
+                                          [(f"{prefix}.in_proj_z.weight", (full_value_dim, h), value_rows),
+                                           (f"{prefix}.in_proj_b.weight", (nv, h), heads),
+                                           (f"{prefix}.in_proj_a.weight", (nv, h), heads)], in_scale)
+        self.split_sizes = (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
+        conv = np.concatenate([weights.read(f"{prefix}.conv1d.weight", (full_conv_dim, 1, self.kernel), 0, rows)
+                               for rows in channels], axis=0)
+        self.conv_t = weights.constant(conv[None, :, 0, :].transpose(0, 2, 1))  # (1, kernel, channels)
+        self.conv_taps = tuple(weights.constant(np.ascontiguousarray(conv[:, 0, j])) for j in range(self.kernel))
+        # (1, heads), as every constant an op broadcasts: MindSpore CPU broadcasts slower across ranks
+        # g = -a * softplus(.)
+        self.a = ops.exp(weights.constant(weights.read(f"{prefix}.A_log", (nv,), 0, heads)[None]))
+        self.dt_bias = weights.constant(weights.read(f"{prefix}.dt_bias", (nv,), 0, heads)[None])
+        norm_weight = _round_to(weights.read(f"{prefix}.norm.weight", (dv,)), weights.dtype)
+        self.out_t = weights.row_parallel_t(f"{prefix}.out_proj.weight", (h, full_value_dim), value_rows,
+                                            np.tile(norm_weight, self.num_v_heads))
+
+    def _conv_step(self, mixed, state, cache):
+        """One token through the causal depthwise conv + SiLU: mixed (B, channels). The state is
+        the last kernel-1 inputs, (B, channels, kernel-1) as HF and the torch port keep it, held
+        as a transposed view of channels-last memory (so the window is a contiguous concat)."""
+        b, c = mixed.shape
+        window = ops.concat([mint.transpose(state, 1, 2), mixed.reshape(b, 1, c)], 1)  # (B, kernel, channels)
+        cache.conv_states[self.layer_idx] = mint.transpose(window[:, 1:], 1, 2)
+        taps = _mul(_cast(window, self.conv_t.dtype), self.conv_t)
+        out = _bmm(_ones((b, 1, self.kernel), taps.dtype), taps).reshape(b, c)  # 3x faster than a sum over axis 1
+        return _silu(_cast(out, mixed.dtype))
+
+    def _conv_sequence(self, mixed, state, cache):
+        """The conv over (B, S, channels) as a sum of shifted multiplies (no float64 conv1d kernel
+        on CPU), continuing from ``state`` when there is one."""
+        b, s, c = mixed.shape
+        if state is None:
+            padded = ops.pad(mixed, (0, 0, self.kernel - 1, 0))
+        else:
+            padded = ops.concat([mint.transpose(state, 1, 2), mixed], 1)
+        cache.conv_states[self.layer_idx] = mint.transpose(padded[:, s:], 1, 2)
+        padded = _cast(padded, self.conv_t.dtype)
+        out = padded[:, :s] * self.conv_taps[0]
+        for j in range(1, self.kernel):
+            out = out + padded[:, j:j + s] * self.conv_taps[j]
+        return _silu(_cast(out, mixed.dtype)).reshape(b * s, c)
+
+    def construct(self, x, b, s, cache):
+        n = b * s
+        if cache.seq_length == 0 and cache.prompt_mask is not None:
+            x = x * cache.prompt_mask.reshape(n, 1)  # left padding must not enter conv or state
+        mixed, z, beta, a = mint.split(_matmul(x, self.in_proj_t), self.split_sizes, -1)
+        conv_state = cache.conv_states.get(self.layer_idx)
+        state = cache.recurrent_states.get(self.layer_idx)
+        step = s == 1 and state is not None
+        if step:
+            mixed = self._conv_step(mixed, conv_state, cache)
+        else:
+            mixed = self._conv_sequence(mixed.reshape(b, s, self.conv_dim), conv_state, cache)
+        acc = self.acc
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        qk, v = mint.split(_cast(mixed, acc), (2 * self.key_dim, self.value_dim), -1)
+        qk = qk.reshape(n, 2 * nk, dk)
+        qk = _div(qk, _sqrt(_add(mint.sum(_square(qk), -1, True), self.l2_eps)))  # l2 norm
+        q, k = mint.split(qk, (nk, nk), 1)
+        if nk != nv:  # value head j reads key head j // (nv / nk)
+            q, k = (ops.broadcast_to(t.reshape(n, nk, 1, dk), (n, nk, nv // nk, dk)) for t in (q, k))
+        beta = _sigmoid(_cast(beta, acc))
+        neg_g = _mul(_softplus(_add(_cast(a, acc), self.dt_bias)), self.a)  # -g, the log decay's negation
+        if step:
+            q, k = q.reshape(b, nv, 1, dk), k.reshape(b, nv, 1, dk)
+            out, state = _recurrent_step(q, k, v.reshape(b, nv, 1, dv), _exp(neg_g).reshape(b, nv, 1, 1),
+                                         beta.reshape(b, nv, 1, 1), state)
+        else:
+            q, k = (t.reshape(b, s, nv, dk).transpose(0, 2, 1, 3) for t in (q, k))
+            v = v.reshape(b, s, nv, dv).transpose(0, 2, 1, 3)
+            g = ops.neg(neg_g).reshape(b, s, nv).transpose(0, 2, 1)
+            out, state = _chunked_delta_rule(q, k, v, g, beta.reshape(b, s, nv).transpose(0, 2, 1), state)
+            out = out.transpose(0, 2, 1, 3)
+        cache.recurrent_states[self.layer_idx] = state
+        # gated RMSNorm over each value head, with HF's casts (exact no-ops in float32/float64);
+        # its weight is in out_t
+        out = _cast(_cast(out, x.dtype), acc).reshape(n, nv, dv)
+        out = _cast(_cast(_normalize(out, self.gated_norm_eps), x.dtype), acc)
+        out = _mul(out.reshape(n, self.value_dim), _silu(_cast(z, acc)))
+        return _matmul(_cast(out, x.dtype), self.out_t)
+
+
+class MLP(nn.Cell):
+    """SwiGLU feed-forward: ``down(silu(x @ gate) * (x @ up))``, with up|gate as one matrix:
+    ``glu`` of the two halves is ``up * sigmoid(gate)``, times gate is the SwiGLU (two kernels
+    instead of a split, a sigmoid and two products)."""
+
+    def __init__(self, weights: _Weights, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                 in_scale: np.ndarray = None):
+        super().__init__()
+        self.inter = gate.shape[0]
+        self.up_gate_t = weights.projection([up, gate], in_scale)
+        self.down_t = weights.param(down.T)
+
+    def construct(self, x):
+        up_gate = _matmul(x, self.up_gate_t)
+        hidden = _mul(_glu(up_gate, -1), mint.narrow(up_gate, -1, self.inter, self.inter))
+        return _matmul(hidden, self.down_t)
+
+
+def _dense_mlp(weights: _Weights, prefix: str, hidden: int, inter: int, name: str, in_scale: np.ndarray) -> MLP:
+    """An MLP with this rank's block of the ``inter`` (config field ``name``) dims: gate/up rows,
+    down columns (a partial output under tensor parallelism)."""
+    block = weights.plan.block(inter, name)
+    return MLP(weights, weights.read(f"{prefix}.gate_proj.weight", (inter, hidden), 0, block),
+               weights.read(f"{prefix}.up_proj.weight", (inter, hidden), 0, block),
+               weights.read(f"{prefix}.down_proj.weight", (hidden, inter), 1, block), in_scale)
+
+
+class SparseMoE(nn.Cell):
+    """Softmax top-k router over experts plus a sigmoid-gated shared expert (HF semantics).
+
+    Routing reads the chosen expert ids on the host once per layer and runs each hit expert on
+    its tokens only; experts are separate parameters (no weight copies per step), laid out so
+    expert or tensor parallelism can take a subset / slice. Under tensor parallelism every
+    expert and the shared expert hold this rank's block of their intermediate dims and the
+    router is replicated, so every rank routes identically and returns a partial sum."""
+
+    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, prefix: str, in_scale: np.ndarray):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        # router logits | shared expert gate logit, one matmul
+        self.route_t = weights.linear_t([(f"{prefix}.gate.weight", (self.num_experts, h)),
+                                         (f"{prefix}.shared_expert_gate.weight", (1, h))], in_scale)
+        self.shared_expert = _dense_mlp(weights, f"{prefix}.shared_expert", h, cfg.shared_expert_intermediate_size,
+                                        "shared_expert_intermediate_size", in_scale)
+        self.acc = weights.acc
+        e_all = self.num_experts
+        start, stop = weights.plan.block(inter, "moe_intermediate_size")
+        if weights.checkpoint.has(f"{prefix}.experts.gate_up_proj"):  # fused layout, gate rows first
+            # this rank's rows of every expert at once (its gate block, then its up block)
+            gate_up = f"{prefix}.experts.gate_up_proj"
+            gates = weights.read(gate_up, (e_all, 2 * inter, h), 1, (start, stop))
+            ups = weights.read(gate_up, (e_all, 2 * inter, h), 1, (inter + start, inter + stop))
+            downs = weights.read(f"{prefix}.experts.down_proj", (e_all, h, inter), 2, (start, stop))
+            experts = [MLP(weights, gates[e], ups[e], downs[e], in_scale) for e in range(e_all)]
+        else:  # per-expert layout (what transformers 5.23 save_pretrained writes)
+            experts = [_dense_mlp(weights, f"{prefix}.experts.{e}", h, inter, "moe_intermediate_size", in_scale)
+                       for e in range(e_all)]
+        self.experts = nn.CellList(experts)
+
+    def construct(self, x):
+        route = _matmul(x, self.route_t)
+        probs = ops.softmax(_cast(route[:, :self.num_experts], self.acc), -1)
+        weights, chosen = ops.topk(probs, self.top_k)
+        weights = weights / weights.sum(-1, keepdims=True)  # transformers 5.23 always renormalises
+        # host routing: slots (token, k) sorted by expert, so each expert sees one contiguous block
+        expert_of_slot = chosen.asnumpy().reshape(-1)
+        order = np.argsort(expert_of_slot, kind="stable")
+        counts = np.bincount(expert_of_slot, minlength=self.num_experts)
+        tokens = ops.gather(x, Tensor((order // self.top_k).astype(np.int32)), 0)
+        outputs, start = [], 0
+        for e in np.flatnonzero(counts):
+            end = start + int(counts[e])
+            outputs.append(self.experts[int(e)].construct(tokens[start:end]))
+            start = end
+        routed = outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
+        routed = ops.gather(routed, Tensor(np.argsort(order).astype(np.int32)), 0).reshape(-1, self.top_k, x.shape[1])
+        routed = (routed * _cast(weights, x.dtype)[..., None]).sum(1)
+        shared = _mul(self.shared_expert.construct(x), _sigmoid(route[:, self.num_experts:]))
+        return _add(routed, shared)
+
+
+class DecoderLayer(nn.Cell):
+    """Mixer and MLP residual blocks; ``partial_sum`` adds up their row-parallel outputs. The two
+    norms' ``1 + w`` live in the mixer's and the MLP's input projections."""
+
+    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, layer_idx: int, partial_sum: _PartialSum):
+        super().__init__()
+        prefix = f"model.layers.{layer_idx}"
+        h = cfg.hidden_size
+        input_scale = weights.norm_scale(f"{prefix}.input_layernorm.weight", h)
+        post_attention_scale = weights.norm_scale(f"{prefix}.post_attention_layernorm.weight", h)
+        self.is_attention = cfg.layer_types[layer_idx] == "full_attention"
+        if self.is_attention:
+            self.mixer = GatedAttention(cfg, weights, f"{prefix}.self_attn", layer_idx, input_scale)
+        else:
+            self.mixer = GatedDeltaNet(cfg, weights, f"{prefix}.linear_attn", layer_idx, input_scale)
+        self.mlp = (SparseMoE(cfg, weights, f"{prefix}.mlp", post_attention_scale) if cfg.is_moe else
+                    _dense_mlp(weights, f"{prefix}.mlp", h, cfg.intermediate_size, "intermediate_size",
+                               post_attention_scale))
+        self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
+        self.partial_sum = partial_sum
+
+    def construct(self, x, b, s, cos, sin, attention_mask, cache):
+        h = _rms_norm(x, self.eps)
+        if self.is_attention:
+            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cos, sin, attention_mask, cache)))
+        else:
+            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cache)))
+        return _add(x, self.partial_sum(self.mlp.construct(_rms_norm(x, self.eps))))
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+
+
+class Qwen3_5ForCausalLM(nn.Cell):
+    """Qwen3.5 / Qwen3.5-MoE language model implementing docs/model_contract.md (cache objects).
+
+    ``config`` is the parsed ``hyper_gen.models.qwen3_5.Qwen3_5Config``; ``vocab_size`` the true vocabulary
+    size; ``dtype`` the model dtype (every Parameter is in it; compute-dtype constants are Tensors);
+    ``tp_plan`` the ``TPPlan`` it was loaded with. With ``tp_plan.tp > 1`` it also has
+    ``parallel_group`` (None: the world group) and ``vocab_parallel = True``: its logits are this
+    rank's block of ``plan.padded_vocab(vocab_size) // tp`` columns (generate() gathers them).
+    """
+
+    supports_cache_object = True
+
+    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, group=None):
+        super().__init__()
+        plan = weights.plan
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.tp_plan = plan
+        h, v = cfg.hidden_size, cfg.vocab_size
+        start, stop = plan.vocab(v)
+        self.vocab_start, self.vocab_stop = start, min(stop, v)  # the real ids this rank embeds
+        # (hidden, vocab) for the fast `x @ W`, in blocks of _HEAD_COLUMNS columns; a tied model
+        # embeds by gathering their columns
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        head_t = weights.vocab_rows(head, v, h).T
+        self.head_columns = width = _block_width(head_t.shape[1], _HEAD_COLUMNS)
+        self.lm_head = ParameterTuple([weights.param(head_t[:, i:i + width], f"lm_head.{i // width}")
+                                       for i in range(0, head_t.shape[1], width)])
+        del head_t
+        self.embed_tokens = None if cfg.tie_word_embeddings else weights.param(
+            weights.vocab_rows("model.embed_tokens.weight", v, h))
+        self.partial_sum = _PartialSum(plan.tp, group)
+        if plan.tp > 1:
+            self.parallel_group = group
+            self.vocab_parallel = True
+        self.layers = nn.CellList([DecoderLayer(cfg, weights, i, self.partial_sum)
+                                   for i in range(cfg.num_hidden_layers)])
+        self.norm = Tensor(weights.norm_scale("model.norm.weight", h)[None])
+        self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
+        # rotary frequencies over the whole head: [f, f] on the rotary dims, 0 (cos 1, sin 0) after
+        rot, d = cfg.rotary_dim, cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
+        inv_freq = np.concatenate([inv_freq, inv_freq, np.zeros(d - rot)])
+        self.inv_freq = Tensor(inv_freq[None].astype(_numpy_dtype(weights.acc)))
+        self.generation_defaults: dict = {}
+
+    @property
+    def dtype(self):
+        return self.lm_head[0].dtype
+
+    def _embed(self, input_ids):
+        """(B * S, hidden) rows of the input ids."""
+        ids = input_ids.reshape(-1)
+        vocab_parallel = self.tp_plan.tp > 1
+        if vocab_parallel:  # each id's row is on one rank; the others contribute zeros to the sum
+            held = (ids >= self.vocab_start) & (ids < self.vocab_stop)
+            ids = ops.where(held, ids - self.vocab_start, ops.zeros_like(ids))
+        if self.embed_tokens is not None:
+            rows = ops.gather(self.embed_tokens, ids, 0)
+        else:
+            rows = self._head_columns(ids).transpose(1, 0)
+        if not vocab_parallel:
+            return rows
+        return self.partial_sum(ops.where(held[:, None], rows, ops.zeros_like(rows)))
+
+    def _head_columns(self, ids):
+        """(hidden, N): the LM head's columns ``ids`` (local ids), gathered from the blocks that
+        hold them (found on the host), in the order of ``ids``."""
+        host = ids.asnumpy()
+        blocks = host // self.head_columns
+        order = np.argsort(blocks, kind="stable")
+        local = host[order] - blocks[order] * self.head_columns
+        parts = [ops.gather(self.lm_head[int(block)], Tensor(local[blocks[order] == block]), 1)
+                 for block in np.unique(blocks)]
+        if len(parts) == 1:  # one block: the ids are in their own order (every batch-1 decode step)
+            return parts[0]
+        return ops.gather(ops.concat(parts, 1), Tensor(np.argsort(order)), 1)
+
+    def _rotary(self, position_ids, dtype):
+        """cos, sin (B * S, 1, head_dim) in the model dtype, computed in the compute dtype; 1 and 0
+        on the dims past rotary_dim."""
+        freqs = _mul(_cast(position_ids, self.inv_freq.dtype).reshape(-1, 1), self.inv_freq)
+        freqs = freqs.reshape(freqs.shape[0], 1, freqs.shape[1])
+        return _cast(ops.cos(freqs), dtype), _cast(ops.sin(freqs), dtype)
+
+    def construct(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
+        """Contract call (docs/model_contract.md). Without a cache the forward is cacheless (a
+        throwaway DynamicCache); without position ids / mask, positions continue from the cache
+        and the mask is causal with no padding."""
+        b, s = input_ids.shape
+        cache = past_key_values
+        if cache is None:
+            cache = DynamicCache(MindSporeOps(), b, s)
+        if position_ids is None:
+            position_ids = Tensor(np.tile(np.arange(cache.seq_length, cache.seq_length + s), (b, 1)))
+        if attention_mask is None:
+            total = cache.max_length if cache.is_static else cache.seq_length + s
+            attention_mask = _causal_mask(s, cache.seq_length, total, self.dtype)
+        x = self._embed(input_ids)
+        cos, sin = self._rotary(position_ids, x.dtype)
+        for layer in self.layers:
+            x = layer.construct(x, b, s, cos, sin, attention_mask, cache)
+        kept = s
+        if logits_to_keep and logits_to_keep < s:
+            kept = logits_to_keep
+            x = x.reshape(b, s, -1)[:, -kept:].reshape(b * kept, -1)
+        h = _cast(_mul(_normalize(_cast(x, self.eps.dtype), self.eps), self.norm), x.dtype)
+        logits = [_matmul(h, block) for block in self.lm_head]
+        logits = logits[0] if len(logits) == 1 else ops.concat(logits, -1)
+        return {"logits": logits.reshape(b, kept, -1)}
+
+
+def _block_width(columns: int, most: int) -> int:
+    """Columns per block when ``columns`` are cut into ``ceil(columns / most)`` blocks: their even
+    share, rounded up to 64 times an odd number. A row stride of a large power of two
+    bytes halves MindSpore's CPU matrix-vector bandwidth (65536 float32 columns: 21 GB/s; 65472:
+    42 GB/s), as rows then collide in the same cache sets."""
+    share = -(-columns // -(-columns // most))
+    width = -(-share // 64) * 64
+    return width + 64 if (width // 64) % 2 == 0 else width
+
+
+_MASK_MIN = {ms.float16: float(np.finfo(np.float16).min), ms.float32: float(np.finfo(np.float32).min),
+             ms.float64: float(np.finfo(np.float64).min), ms.bfloat16: -3.3895313892515355e38}
+
+
+def _causal_mask(seq: int, past: int, total: int, dtype) -> Tensor:
+    """(1, 1, seq, total) additive mask: query i (at position past + i) sees columns <= past + i."""
+    hidden = np.arange(total)[None, :] > np.arange(past, past + seq)[:, None]
+    return Tensor(np.where(hidden, _MASK_MIN[dtype], 0.0)[None, None], dtype)
+
+
+def load(checkpoint, dtype: str = "float32", device=None, plan: TPPlan = None, group=None) -> Qwen3_5ForCausalLM:
+    """A Qwen3.5 model from a ``hyper_gen.models.checkpoint.Checkpoint``, weights in ``dtype``.
+
+    ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
+    model); ``group``: the communication group of the ``tp`` ranks (None: the world group, whose
+    size and this process's rank must then be ``tp`` and ``plan.rank``)."""
+    plan = TPPlan.resolve(plan)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
+        raise ValueError("dtype 'bfloat16' is not supported by MindSpore on CPU (storage only); "
+                         "use float32, float16 or float64")
+    if checkpoint.architecture not in ARCHITECTURES:
+        raise ValueError(f"checkpoint {checkpoint.path!r} has architecture {checkpoint.architecture or None!r}; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    config = Qwen3_5Config.from_dict(checkpoint.config)
+    check_tp(plan, config)  # every split, before any weight is read
+    if plan.tp > 1:
+        _check_group(plan, group)
+    model = Qwen3_5ForCausalLM(config, _Weights(checkpoint, dtype, plan), group)
+    model.set_train(False)
+    return model
+
+
+def _check_group(plan: TPPlan, group) -> None:
+    """The group the shard will all-reduce over must be the plan's ``tp`` ranks, this one at ``plan.rank``."""
+    ops_ = MindSporeOps()
+    size, rank = ops_.world_size(group), ops_.rank(group)
+    where = "the world group" if group is None else f"group {group!r}"
+    if size != plan.tp:
+        raise ValueError(f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes "
+                         "(msrun --worker_num) and initialise communication before loading a tensor-parallel shard")
+    if rank != plan.rank:
+        raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")

@@ -1,0 +1,155 @@
+"""The ops protocol for MindSpore (CPU here; Ascend through the same calls).
+
+MindSpore 2.10 CPU facts this adapter works around (design guide): many ``mint`` ops have no CPU
+kernel, so ``mindspore.ops`` is used where mint lacks one; in-place tensor ops silently do
+nothing, so writes use slice assignment, which MindSpore honours; sort/topk/multinomial return
+int32 indices, cast here to int64 as torch returns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import mint, ops
+
+_DTYPES = {
+    "float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32, "float64": ms.float64,
+    "int32": ms.int32, "int64": ms.int64, "bool": ms.bool_,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_WIDE = (ms.float64, ms.int64)  # 8-byte dtypes the CPU collectives do not carry exactly
+_NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int32": np.int32,
+          "int64": np.int64, "bool": np.bool_}
+
+
+def ms_dtype(name: str):
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def _communication_ready() -> bool:
+    from mindspore.communication import GlobalComm
+
+    return bool(GlobalComm.INITED)
+
+
+class MindSporeOps:
+    """MindSpore ops (PyNative)."""
+
+    name = "mindspore"
+
+    def is_tensor(self, x):
+        return isinstance(x, ms.Tensor)
+
+    def asarray(self, array, dtype=None):
+        array = np.asarray(array)
+        if dtype == "bfloat16":
+            return ms.Tensor(array.astype(np.float32)).astype(ms.bfloat16)
+        if dtype is not None:
+            array = array.astype(_NUMPY[dtype], copy=False)
+        return ms.Tensor(np.ascontiguousarray(array))
+
+    def to_numpy(self, x):
+        if x.dtype == ms.bfloat16:
+            x = x.astype(ms.float32)
+        return x.asnumpy()
+
+    def dtype_name(self, x):
+        return _NAMES[x.dtype]
+
+    def cast(self, x, dtype):
+        target = ms_dtype(dtype)
+        return x if x.dtype == target else x.astype(target)
+
+    def zeros(self, shape, dtype):
+        return ops.zeros(tuple(shape), ms_dtype(dtype))
+
+    def param_dtype(self, model):
+        if isinstance(model, ms.nn.Cell):
+            for param in model.get_parameters():
+                if param.dtype in (ms.float16, ms.bfloat16, ms.float32, ms.float64):
+                    return _NAMES[param.dtype]
+        return "float32"
+
+    def concat(self, xs, axis):
+        return ops.cat(tuple(xs), axis)
+
+    def where(self, cond, a, b):
+        return ops.where(cond, a, b)
+
+    def argmax(self, x, axis=-1):
+        return ops.argmax(x, axis).astype(ms.int64)
+
+    def max(self, x, axis=-1, keepdims=True):
+        return x.max(axis=axis, keepdims=keepdims)
+
+    def topk(self, x, k):
+        values, indices = ops.topk(x, k)
+        return values, indices.astype(ms.int64)
+
+    def sort(self, x, descending=False):
+        values, indices = ops.sort(x, axis=-1, descending=descending)
+        return values, indices.astype(ms.int64)
+
+    def cumsum(self, x, axis=-1):
+        return ops.cumsum(x, axis)
+
+    def softmax(self, x, axis=-1):
+        return mint.nn.functional.softmax(x, axis)
+
+    def take_along_axis(self, x, indices, axis=-1):
+        return ops.gather_elements(x, axis, indices)
+
+    def scatter(self, x, indices, values, axis=-1):
+        return ops.tensor_scatter_elements(x, indices, values, axis)
+
+    def multinomial(self, probs):
+        return ops.multinomial(probs, 1).astype(ms.int64).reshape(-1)
+
+    def write_slice(self, buf, axis, start, value):
+        index = [slice(None)] * buf.ndim
+        index[axis] = slice(start, start + value.shape[axis])
+        buf[tuple(index)] = value  # slice assignment really writes on MindSpore CPU (copy_ does not)
+
+    def no_grad(self):
+        return ms._no_grad()
+
+    # collectives (CPU: AllGather / AllReduce / Broadcast only; Ascend HCCL has all) ------------
+    def rank(self, group=None):
+        if not _communication_ready():
+            return 0
+        from mindspore.communication import get_rank
+
+        return get_rank() if group is None else get_rank(group)
+
+    def world_size(self, group=None):
+        if not _communication_ready():
+            return 1
+        from mindspore.communication import get_group_size
+
+        return get_group_size() if group is None else get_group_size(group)
+
+    def _group(self, group):
+        from mindspore.communication import GlobalComm
+
+        return GlobalComm.WORLD_COMM_GROUP if group is None else group
+
+    def all_gather(self, x, axis=0, group=None):
+        if x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
+            gathered = ops.AllGather(group=self._group(group))(x.view(ms.int32)).view(x.dtype)
+        else:
+            gathered = ops.AllGather(group=self._group(group))(x)  # stacks along axis 0
+        if axis % x.ndim == 0:
+            return gathered
+        parts = ops.split(gathered, x.shape[0], axis=0)
+        return ops.cat(parts, axis)
+
+    def all_reduce(self, x, op="sum", group=None):
+        reduce = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}[op]
+        return ops.AllReduce(reduce, group=self._group(group))(x)
+
+    def broadcast(self, x, src=0, group=None):
+        if x.dtype in _WIDE:  # CPU Broadcast narrows float64/int64: move the raw bits instead
+            return ops.Broadcast(src, group=self._group(group))((x.view(ms.int32),))[0].view(x.dtype)
+        return ops.Broadcast(src, group=self._group(group))((x,))[0]

@@ -1,0 +1,83 @@
+"""torch adapter (CPU / CUDA, and Ascend NPU where torch_npu and CANN are installed).
+
+torch_npu is imported lazily: it fails to import without CANN (``libhccl.so``), so plain torch
+is the fallback. On Ascend: ``load_model(..., device="npu")`` and the HCCL process group
+(``torchrun`` sets it up through ``init_process_group(backend="hccl")``).
+
+The adapter interface every backend provides is described in ``hyper_gen.registry``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import models
+from .devices import default_device, distributed_backend, npu_available, rank_device
+from .launch import init_from_env as init_distributed
+from .launch import shutdown as shutdown_distributed
+from .ops import TorchOps, torch_dtype
+
+NAME = "torch"
+
+
+def limit_threads(threads: int) -> str:
+    """Cap this process's intra-op threads (ranks sharing one host); says what was set."""
+    torch.set_num_threads(threads)
+    return f"{threads} torch thread{'s' if threads > 1 else ''} per rank"
+
+
+def launcher(ranks: int) -> str:
+    return f"torchrun --nproc_per_node {ranks}"
+
+
+def resolve_device(device, dtype: str, tp: int = 1):
+    """The torch device ``load_model`` puts weights on: ``device``, or CPU (a TP rank: its own
+    accelerator, so the model and HCCL/NCCL agree); a dtype the device cannot compute is a ValueError."""
+    if device is None and tp > 1:
+        device = rank_device()
+    kind = (device or "cpu").split(":")[0].lower()
+    if dtype == "float64" and kind in ("mps", "npu"):
+        raise ValueError(f"dtype 'float64' is not supported on torch device {device!r}")
+    if kind == "npu" and not npu_available():
+        raise ValueError(f"device {device!r} needs torch_npu and CANN, which are not available here")
+    try:
+        return torch.device(device or "cpu")
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device {device!r} is not a torch device: {error}") from None
+
+
+def ops_for(obj):
+    """TorchOps for a torch Module (its parameters' device) or Tensor, else None."""
+    if isinstance(obj, torch.Tensor):
+        return TorchOps(obj.device)
+    if isinstance(obj, torch.nn.Module):
+        for tensor in obj.parameters():
+            return TorchOps(tensor.device)
+        for tensor in obj.buffers():
+            return TorchOps(tensor.device)
+        return TorchOps("cpu")
+    return None
+
+
+def host_ops() -> TorchOps:
+    """Ops on the default device, for moving host values between ranks."""
+    return TorchOps(default_device())
+
+
+__all__ = [
+    "NAME",
+    "TorchOps",
+    "default_device",
+    "distributed_backend",
+    "host_ops",
+    "init_distributed",
+    "launcher",
+    "limit_threads",
+    "models",
+    "npu_available",
+    "ops_for",
+    "rank_device",
+    "resolve_device",
+    "shutdown_distributed",
+    "torch_dtype",
+]

@@ -1,0 +1,1 @@
+"""Native torch model kernels, one module per model family (``hyper_gen.models`` describes them)."""

@@ -1,0 +1,746 @@
+"""Qwen3.5 (dense and MoE) in plain torch, loaded from HF checkpoints.
+
+Implements the cache-object contract (``docs/model_contract.md``): the model writes attention K/V
+and Gated DeltaNet conv/recurrent state into the ``StaticCache``/``DynamicCache`` it is handed.
+
+Numerics follow transformers 5.23 op for op where HF computes in float32 whatever the model
+dtype (zero-centred RMSNorm, rotary angles, router softmax, the whole gated delta rule with its
+float32 recurrent state): a float64 model then matches HF's float64 model bit for bit on CPU.
+Float32 matches to ~3e-5 on the tiny test models, where HF's chunked delta rule itself turns
+1-ulp input differences into ~1e-5 (its float32 cumulative decay loses precision when heads decay
+fast). Elsewhere it fuses: q|k|v of attention, q|k|v|z of Gated DeltaNet and gate|up of every MLP
+are one matmul each (bitwise the same as separate matmuls at real model sizes).
+
+Weights are (in, out) matrices and every projection is ``x @ w`` (the LM head too; the embedding
+is the (H, V) matrix, looked up by gathering columns, so a tied checkpoint keeps one copy). In
+float32 / float16 / bfloat16 they are (in, out)-contiguous: a batch-1 decode step is a stream of
+matrix-vector products bound by memory bandwidth, and MKL streams that layout faster on CPU than
+the (out, in) one ``F.linear`` reads (fp32, 2 threads: LM head 248320x1024 ~28 vs ~20 GB/s, layer
+matrices ~24 vs ~21 GB/s; a 0.8B decode step ~15% faster).
+float64 keeps HF's (out, in) memory under the same (in, out) view, so it stays bit for bit HF's
+(``_matrix_layout``). Checkpoint slices (tensor parallelism) are taken in the checkpoint's
+(out, in) layout and transposed afterwards.
+
+Tensor parallelism (``load(checkpoint, dtype, device, plan=TPPlan(tp, rank), group=None)``, under
+torchrun): each rank reads only its slices with ``Checkpoint.get_slice``, exactly as
+``hyper_gen.parallel.tp_plan.TPPlan`` assigns them (``plan.check`` runs before any weight is read).
+Every fused weight is assembled from named row segments (``_Loader.rows``), so a rank's q|k|v
+(attention), q|k|v|z (Gated DeltaNet) and gate|up (MLP, experts) are its slice of each segment:
+query(+gate) heads and K/V heads (K/V replicated when fewer than ranks), Gated DeltaNet key heads
+with their value heads (conv channels, b/a rows, A_log, dt_bias), MLP / expert / shared-expert
+intermediate dims; o_proj, out_proj and down_proj are split by columns (row-parallel). The router,
+the shared-expert gate and every norm weight are replicated. A decoder layer sums its mixer's and
+its MLP's partial outputs with one ``torch.distributed.all_reduce`` each; the vocab-parallel
+embedding (ids outside this rank's block masked, local lookup) with one more. The LM head returns
+this rank's block of ``plan.padded_vocab(V) // tp`` logits (rows past V are zero); the model's
+``parallel_group`` / ``vocab_parallel`` / ``vocab_size`` tell generate() to all-gather and trim
+them. Per decode step: ``2 * num_hidden_layers + 1`` all-reduces of (B, 1, hidden) and one
+all-gather of the (B, padded V / tp) logits (``hyper_gen.models.qwen3_5.tp_traffic``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hyper_gen.backends.torch.devices import npu_available
+from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
+from hyper_gen.models.qwen3_5 import Qwen3_5Config, check_tp
+from hyper_gen.parallel.tp_plan import TPPlan
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+CHUNK_SIZE = 64  # Gated DeltaNet prefill chunk length (HF's)
+
+
+# --------------------------------------------------------------------------------------- norms
+
+class ZeroCentredRMSNorm(nn.Module):
+    """``x / rms(x) * (1 + w)``, computed in float32 and cast back (HF Qwen3_5RMSNorm).
+
+    ``scale`` = ``1 + w`` in float32 is precomputed at load (a buffer, so ``parameters()`` keeps
+    the model dtype); it is bitwise what HF computes each call."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("scale", torch.empty(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.scale).type_as(x)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet output norm: ``w * x / rms(x) * silu(gate)`` (HF Qwen3_5RMSNormGated)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    h = h * F.silu(gate.to(torch.float32))
+    return h.to(dtype)
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+# ------------------------------------------------------------------------------------- rotary
+
+def rotary_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
+    """float32, exactly as HF computes them (the angles stay float32 for every model dtype)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """(B, S, rotary_dim) cos and sin in ``dtype`` for integer positions (B, S)."""
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rotary_dim`` channels of x (B, H, S, D); cos/sin are (B, 1, S, rot)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat(((x_rot * cos) + (rotated * sin), x_pass), dim=-1)
+
+
+# ---------------------------------------------------------------------------------- attention
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: q_proj emits, per head, [query (D) | gate (D)];
+    output = o_proj(attention * sigmoid(gate)). Zero-centred q/k RMSNorm, partial rotary, GQA."""
+
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, plan: TPPlan):
+        super().__init__()
+        self.layer_idx = layer_idx
+        q_start, q_stop = plan.block(config.num_attention_heads, "num_attention_heads")
+        kv_start, kv_stop = plan.kv_heads(config.num_key_value_heads, config.num_attention_heads)
+        self.num_heads = q_stop - q_start  # this rank's heads (all of them at tp 1)
+        self.num_kv_heads = kv_stop - kv_start
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        d, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
+        # (in, out) like every matrix here; columns: q_proj (per head [query | gate]) | k_proj | v_proj
+        self.qkv_proj = nn.Parameter(torch.empty(config.hidden_size, 2 * h * d + 2 * kv * d))
+        self.o_proj = nn.Parameter(torch.empty(h * d, config.hidden_size))
+        self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention_mask, cache):
+        b, s, _ = x.shape
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        query_gate, key, value = (x @ self.qkv_proj).split([2 * h * d, kv * d, kv * d], dim=-1)
+        query_gate = query_gate.view(b, s, h, 2 * d)
+        query, gate = query_gate[..., :d], query_gate[..., d:].reshape(b, s, h * d)
+        query = self.q_norm(query).transpose(1, 2)
+        key = self.k_norm(key.view(b, s, kv, d)).transpose(1, 2)
+        value = value.view(b, s, kv, d).transpose(1, 2)
+        query = apply_rotary(query, cos, sin)
+        key = apply_rotary(key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        out = self._attend(query, key, value, attention_mask)
+        out = out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
+        return out @ self.o_proj
+
+    def _attend(self, query, key, value, mask):
+        b, h, s, d = query.shape
+        groups = h // self.num_kv_heads
+        if groups > 1 and s == 1:
+            # decode: the query heads sharing a KV head become rows of one (no KV copy)
+            out = F.scaled_dot_product_attention(
+                query.reshape(b, self.num_kv_heads, groups, d), key, value, attn_mask=mask, scale=self.scale)
+            return out.reshape(b, h, 1, d)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=groups > 1)
+
+
+# ------------------------------------------------------------------------------ Gated DeltaNet
+
+def chunk_gated_delta_rule(query, key, value, decay, beta, state: Optional[torch.Tensor],
+                           chunk_size: int = CHUNK_SIZE):
+    """Gated delta rule over a whole sequence, 64 positions at a time (HF torch_chunk_gated_delta_rule).
+
+    query/key (B, H, S, Dk) float32, l2-normalised, query pre-scaled; value (B, H, S, Dv);
+    decay (log space, <= 0) and beta (B, H, S); state (B, H, Dk, Dv) float32 or None.
+    Returns the output (B, H, S, Dv) and the final state, both float32.
+    The op order is HF's on purpose: float64 models run this in float32 as HF's do, and the
+    same float32 arithmetic is what makes them match HF bit for bit.
+    """
+    b, h, s, dk = key.shape
+    dv = value.shape[-1]
+    pad = (chunk_size - s % chunk_size) % chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
+    n = (s + pad) // chunk_size
+
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    query, key, k_beta, v_beta = (x.reshape(b, h, n, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta))
+    decay = decay.reshape(b, h, n, chunk_size)
+    strictly_upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+
+    cum_decay = decay.cumsum(dim=3)
+    pairwise = (cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)).masked_fill(strictly_upper, float("-inf")).exp()
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra_chunk = (query @ key.transpose(-1, -2)) * pairwise
+    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+
+    if state is None:
+        state = torch.zeros(b, h, dk, dv, dtype=new_values.dtype, device=new_values.device)
+    else:
+        state = state.to(new_values)
+    out = torch.empty_like(new_values)
+    query = query * cum_decay.exp().unsqueeze(-1)
+    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+    for i in range(n):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = query[:, :, i] @ state + intra_chunk[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, -1, dv)[:, :, :s]
+    return out, state
+
+
+def recurrent_gated_delta_step(query, key, value, decay, beta, state: torch.Tensor):
+    """One decode position (HF torch_recurrent_gated_delta_rule with S == 1).
+
+    query/key (B, H, Dk) float32, l2-normalised, query pre-scaled; value (B, H, Dv);
+    decay/beta (B, H); state (B, H, Dk, Dv) float32. Returns output (B, H, Dv) and the new state.
+    """
+    state = state * decay.exp()[..., None, None]
+    kv_mem = (state * key.unsqueeze(-1)).sum(dim=-2)
+    delta = (value - kv_mem) * beta.unsqueeze(-1)
+    state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (state * query.unsqueeze(-1)).sum(dim=-2)
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with a gated delta rule (Qwen3.5's 3-in-4 token mixer).
+
+    in_proj columns: q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv); b and a (Hv columns each)
+    stay separate matmuls, over HF's (out, in) memory: fused, or (in, out)-contiguous, MKL rounds
+    their few outputs differently from HF's own matmuls, and the chunked delta rule amplifies a
+    1-ulp change of the decay to ~1e-5 in the logits.
+    The q|k|v part goes through a depthwise causal conv1d (kernel K) + SiLU; the conv state is
+    the last K-1 pre-conv positions, (B, q|k|v channels, K-1). Recurrent state (B, Hv, Dk, Dv)
+    in float32.
+    """
+
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, plan: TPPlan):
+        super().__init__()
+        self.layer_idx = layer_idx
+        k_start, k_stop = plan.block(config.linear_num_key_heads, "linear_num_key_heads")
+        v_start, v_stop = plan.block(config.linear_num_value_heads, "linear_num_value_heads")
+        self.num_k_heads = k_stop - k_start  # this rank's heads (all of them at tp 1)
+        self.num_v_heads = v_stop - v_start
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.kernel_size = config.linear_conv_kernel_dim
+        self.eps = config.rms_norm_eps
+        key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * key_dim + self.value_dim
+        self.qkv_split = [key_dim, key_dim, self.value_dim]
+        self.in_proj = nn.Parameter(torch.empty(config.hidden_size, self.conv_dim + self.value_dim))
+        self.in_proj_b = nn.Parameter(torch.empty(config.hidden_size, self.num_v_heads))
+        self.in_proj_a = nn.Parameter(torch.empty(config.hidden_size, self.num_v_heads))
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel_size))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.register_buffer("neg_decay_rate", torch.empty(self.num_v_heads, dtype=torch.float32))  # -exp(A_log)
+        self.norm_weight = nn.Parameter(torch.empty(self.head_v_dim))
+        self.out_proj = nn.Parameter(torch.empty(self.value_dim, config.hidden_size))
+
+    def forward(self, x, cache, prompt_mask):
+        b, s, _ = x.shape
+        if prompt_mask is not None:  # left padding contributes nothing to conv or recurrent state
+            x = (x * prompt_mask[:, :, None]).to(x.dtype)
+        conv_state = recurrent_state = None
+        if cache is not None:
+            conv_state = cache.conv_states.get(self.layer_idx)
+            recurrent_state = cache.recurrent_states.get(self.layer_idx)
+
+        mixed, z = (x @ self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
+        mixed, conv_state = self._conv(mixed.transpose(1, 2), conv_state)
+        query, key, value = mixed.transpose(1, 2).split(self.qkv_split, dim=-1)
+        query = query.reshape(b, s, -1, self.head_k_dim)
+        key = key.reshape(b, s, -1, self.head_k_dim)
+        value = value.reshape(b, s, -1, self.head_v_dim)
+        beta = (x @ self.in_proj_b).sigmoid()
+        decay = self.neg_decay_rate * F.softplus((x @ self.in_proj_a).float() + self.dt_bias)
+
+        out, recurrent_state = self._delta_rule(query, key, value, decay, beta, recurrent_state)
+        if cache is not None:
+            cache.conv_states[self.layer_idx] = conv_state
+            cache.recurrent_states[self.layer_idx] = recurrent_state
+
+        out = gated_rms_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
+                             self.norm_weight, self.eps)
+        return out.reshape(b, s, self.value_dim) @ self.out_proj
+
+    def _conv(self, mixed: torch.Tensor, state: Optional[torch.Tensor]):
+        """Depthwise causal conv + SiLU of (B, C, S); returns it and the new (B, C, K-1) state."""
+        keep = self.kernel_size - 1
+        if state is not None and mixed.shape[-1] == 1:
+            window = torch.cat([state, mixed], dim=-1)  # (B, C, K)
+            out = (window * self.conv_weight).sum(dim=-1, keepdim=True)
+            return F.silu(out), window[..., 1:]
+        if state is None:
+            out = F.conv1d(mixed, self.conv_weight.unsqueeze(1), padding=keep, groups=self.conv_dim)
+            out = out[..., :mixed.shape[-1]]
+            history = F.pad(mixed[..., -keep:], (max(keep - mixed.shape[-1], 0), 0))
+        else:  # several new positions after cached ones (chunked prefill)
+            full = torch.cat([state, mixed], dim=-1)
+            out = F.conv1d(full, self.conv_weight.unsqueeze(1), groups=self.conv_dim)
+            history = full[..., -keep:]
+        return F.silu(out), history.contiguous()
+
+    def _delta_rule(self, query, key, value, decay, beta, state):
+        """(B, S, H, D) inputs -> (B, S, Hv, Dv) output in the model dtype, new float32 state."""
+        dtype = query.dtype
+        groups = self.num_v_heads // self.num_k_heads
+        if groups > 1:  # each q/k head serves `groups` consecutive value heads
+            query = query.repeat_interleave(groups, dim=2)
+            key = key.repeat_interleave(groups, dim=2)
+        query, key, value, beta, decay = (
+            t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+            for t in (query, key, value, beta, decay))
+        query = l2_normalise(query)
+        key = l2_normalise(key)
+        if state is not None and query.shape[2] == 1:
+            query = query / (query.shape[-1] ** 0.5)
+            out, state = recurrent_gated_delta_step(query[:, :, 0], key[:, :, 0], value[:, :, 0],
+                                                    decay[:, :, 0], beta[:, :, 0], state)
+            out = out.unsqueeze(2)
+        else:
+            query = query * query.shape[-1] ** -0.5
+            out, state = chunk_gated_delta_rule(query, key, value, decay, beta, state)
+        return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state
+
+
+# ------------------------------------------------------------------------------------ MLP / MoE
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate_up columns: gate (I) | up (I)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(hidden_size, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+
+    def forward(self, x):
+        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k router (top-k weights renormalised), routed SwiGLU experts, and a shared
+    SwiGLU expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config: Qwen3_5Config, plan: TPPlan):
+        super().__init__()
+        e, h = config.num_experts, config.hidden_size
+        i = _local(plan, config.moe_intermediate_size, "moe_intermediate_size")
+        self.num_experts = e
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Parameter(torch.empty(h, e))
+        self.experts_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # per expert columns: gate (I) | up (I)
+        self.experts_down = nn.Parameter(torch.empty(e, i, h))
+        self.shared_expert = SwiGLU(h, _local(plan, config.shared_expert_intermediate_size,
+                                              "shared_expert_intermediate_size"))
+        self.shared_expert_gate = nn.Parameter(torch.empty(h, 1))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = x @ self.router
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        out = self._experts(x, experts, weights)
+        out = out + torch.sigmoid(x @ self.shared_expert_gate) * self.shared_expert(x)
+        return out.reshape(shape)
+
+    def _experts(self, x, experts, weights):
+        """Tokens sorted by expert, one pair of matmuls per expert hit (one host sync per call)."""
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // self.top_k
+        routed = x.index_select(0, token)
+        out = torch.empty_like(routed)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate, up = (routed[rows] @ self.experts_gate_up[expert]).chunk(2, dim=-1)
+            out[rows] = (F.silu(gate) * up) @ self.experts_down[expert]
+            start += count
+        out = out * weights.reshape(-1, 1).index_select(0, order)
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+
+# -------------------------------------------------------------------------------------- model
+
+def _local(plan: TPPlan, total: int, name: str) -> int:
+    start, stop = plan.block(total, name)
+    return stop - start
+
+
+class RankSum:
+    """Sums a row-parallel partial output over the tensor-parallel group in place (one
+    all-reduce); the identity at tp 1. ``group`` None is the world group."""
+
+    def __init__(self, tp: int, group=None):
+        self.tp = tp
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, plan: TPPlan, rank_sum: RankSum):
+        super().__init__()
+        self.is_linear = config.layer_types[layer_idx] == "linear_attention"
+        self.input_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer = (GatedDeltaNet if self.is_linear else GatedAttention)(config, layer_idx, plan)
+        self.post_attention_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SparseMoE(config, plan) if config.is_moe else SwiGLU(
+            config.hidden_size, _local(plan, config.intermediate_size, "intermediate_size"))
+        self.rank_sum = rank_sum
+
+    def forward(self, x, cos, sin, attention_mask, cache, prompt_mask):
+        h = self.input_norm(x)
+        if self.is_linear:
+            h = self.mixer(h, cache, prompt_mask)
+        else:
+            h = self.mixer(h, cos, sin, attention_mask, cache)
+        x = x + self.rank_sum(h)
+        return x + self.rank_sum(self.mlp(self.post_attention_norm(x)))
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Qwen3.5 text model + LM head (dense or MoE), cache-object contract.
+
+    ``forward(input_ids, position_ids, attention_mask, past_key_values, logits_to_keep)`` ->
+    ``{"logits": (B, S or logits_to_keep, V)}``. Outside generate() ``past_key_values`` may be
+    None (no cache, unpadded batch) and ``attention_mask``/``position_ids`` None (causal, no
+    padding, positions continuing from the cache).
+
+    ``tp_plan`` is the ``TPPlan`` it was built for. With ``tp_plan.tp > 1`` it also has
+    ``parallel_group`` (None: the world group) and ``vocab_parallel = True``: its logits are this
+    rank's block of ``plan.padded_vocab(vocab_size) // tp`` columns, which generate() gathers.
+    """
+
+    supports_cache_object = True
+
+    def __init__(self, config: Qwen3_5Config, plan: TPPlan = TPPlan(), group=None):
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.tp_plan = plan
+        if plan.tp > 1:
+            self.parallel_group = group
+            self.vocab_parallel = True
+        self.vocab_start, vocab_stop = plan.vocab(config.vocab_size)
+        rows = vocab_stop - self.vocab_start
+        self.rank_sum = RankSum(plan.tp, group)
+        # the embedding matrix transposed, (H, rows): a lookup gathers columns; when tied it is
+        # also the LM head (one copy), read by ``hidden @ embed_tokens``
+        self.embed_tokens = nn.Parameter(torch.empty(config.hidden_size, rows))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, plan, self.rank_sum)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # (H, rows); None for tied checkpoints, whose head is ``embed_tokens``
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.hidden_size, rows))
+        self.register_buffer("inv_freq", torch.empty(config.rotary_dim // 2, dtype=torch.float32),
+                             persistent=False)
+        self.generation_defaults: dict = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
+        cache = past_key_values
+        batch, seq = input_ids.shape
+        past = cache.seq_length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
+        if attention_mask is None:
+            total = cache.max_length if cache is not None and cache.is_static else past + seq
+            attention_mask = causal_mask(seq, past, total, self.dtype, input_ids.device)
+        prompt_mask = cache.prompt_mask if cache is not None and past == 0 else None
+
+        hidden = self._embed(input_ids)
+        cos, sin = rotary_cos_sin(position_ids, self.inv_freq, hidden.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attention_mask, cache, prompt_mask)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        hidden = self.norm(hidden)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return {"logits": hidden @ head}
+
+    def _embed(self, input_ids):
+        if self.tp_plan.tp == 1:
+            return self._columns(input_ids)
+        # vocab-parallel: look up the ids in this rank's block, zeros for the others, sum over ranks
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_tokens.shape[1])
+        hidden = self._columns(local.masked_fill(outside, 0))
+        return self.rank_sum(hidden.masked_fill_(outside[..., None], 0))
+
+    def _columns(self, ids):
+        """(B, S) ids -> (B, S, H) embedding rows, gathered as columns of the (H, rows) matrix."""
+        columns = torch.index_select(self.embed_tokens, 1, ids.reshape(-1))  # (H, B*S)
+        return columns.t().contiguous().view(*ids.shape, -1)  # contiguous: reductions sum in HF's order
+
+
+def causal_mask(seq: int, past: int, total: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(1, 1, seq, total) additive mask: query i (at position past + i) sees columns <= past + i."""
+    rows = torch.arange(past, past + seq, device=device)[:, None]
+    cols = torch.arange(total, device=device)[None, :]
+    mask = torch.zeros(seq, total, dtype=dtype, device=device)
+    return mask.masked_fill(cols > rows, torch.finfo(dtype).min)[None, None]
+
+
+# ------------------------------------------------------------------------------------ loading
+
+def _matrix_layout(w_t: torch.Tensor) -> torch.Tensor:
+    """The stored form of a weight given as the (in, out) transposed view of its (out, in) matrix.
+
+    Every matmul is ``x @ w`` with w of shape (in, out). A batch-1 decode step streams weights
+    faster from (in, out)-contiguous memory on CPU than from the (out, in) layout ``F.linear``
+    reads (MKL's axpy-form gemv vs its dot-product form), so that is the layout for float32 /
+    float16 / bfloat16. float64 is the bit-for-bit check against HF: it keeps
+    HF's (out, in) memory, so ``x @ w`` is exactly ``F.linear`` (MKL sums the other layout in
+    another order, and the float32 islands -- norms, the delta rule -- turn that 1e-16 into 1e-5)."""
+    return w_t if w_t.dtype == torch.float64 else w_t.contiguous()
+
+
+class _Loader:
+    """Checkpoint tensors -> torch tensors of the model dtype on the target device, each named
+    tensor's shape checked (a missing or misshaped tensor raises ValueError naming it).
+
+    A weight split by ``plan`` is read with ``Checkpoint.get_slice``, one range at a time, so a
+    rank never reads another rank's part; replicated weights (norms, router) are read whole.
+    Slices and ranges are always those of the checkpoint's (out, in) layout; ``transpose=True``
+    turns the assembled matrix (the last two axes) into the model's (in, out) shape afterwards:
+    an (in, out)-contiguous copy, except in float64, where it stays a transposed view of the
+    (out, in) matrix (see ``_matrix_layout``)."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device, plan: TPPlan):
+        self.checkpoint = checkpoint
+        self.dtype = dtype
+        self.device = device
+        self.plan = plan
+        self.read_dtype = "float64" if dtype == torch.float64 else "float32"
+
+    def _check(self, name: str, shape: Sequence[int]) -> None:
+        found = self.checkpoint.shape(name)  # raises for a missing tensor
+        if found != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {found}, expected {tuple(shape)}")
+
+    def _torch(self, array: np.ndarray, transpose: bool = False) -> torch.Tensor:
+        tensor = torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
+        return _matrix_layout(tensor.transpose(-1, -2)) if transpose else tensor
+
+    def tensor(self, name: str, shape: Sequence[int], transpose: bool = False) -> torch.Tensor:
+        """A replicated tensor, whole."""
+        self._check(name, shape)
+        return self._torch(self.checkpoint.get(name, self.read_dtype), transpose)
+
+    def pieces(self, name: str, shape: Sequence[int], axis: int, ranges: List[Tuple[int, int]]) -> List[np.ndarray]:
+        """``[start:stop)`` ranges along ``axis`` of one tensor, each read alone from disk."""
+        self._check(name, shape)
+        return [self.checkpoint.get_slice(name, axis, start, stop, self.read_dtype) for start, stop in ranges]
+
+    def rows(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0,
+             transpose: bool = False) -> torch.Tensor:
+        """Concatenate ranges along ``axis`` of several tensors: [(name, full_shape, [(start, stop), ...])]."""
+        pieces = []
+        for name, shape, ranges in parts:
+            pieces += self.pieces(name, shape, axis, ranges)
+        return self._torch(np.concatenate(pieces, axis=axis), transpose)
+
+    def matrix(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0) -> torch.Tensor:
+        """``rows`` of (out, in) checkpoint matrices, stored (in, out) for ``x @ w``."""
+        return self.rows(parts, axis, transpose=True)
+
+    def vocab_rows(self, name: str, vocab: int, hidden: int) -> torch.Tensor:
+        """This rank's block of embedding / LM-head rows, stored transposed (H, rows); rows past
+        ``vocab`` (padding) are zero."""
+        start, stop = self.plan.vocab(vocab)
+        self._check(name, (vocab, hidden))
+        real = self.checkpoint.get_slice(name, 0, start, min(stop, vocab), self.read_dtype) if start < vocab \
+            else np.zeros((0, hidden), self.read_dtype)
+        if real.shape[0] < stop - start:
+            real = np.concatenate([real, np.zeros((stop - start - real.shape[0], hidden), real.dtype)])
+        return self._torch(real, transpose=True)
+
+
+def _norm_scale(ld: _Loader, name: str, dim: int) -> torch.Tensor:
+    """``1 + w`` in float32 from w in the model dtype: what HF's zero-centred RMSNorm multiplies by."""
+    return 1.0 + ld.tensor(name, (dim,)).float()
+
+
+def _load_attention(ld: _Loader, p: str, config: Qwen3_5Config, state: dict, q: str) -> None:
+    h, kv, d, hid = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+    q_start, q_stop = ld.plan.block(h, "num_attention_heads")
+    kv_start, kv_stop = ld.plan.kv_heads(kv, h)
+    state[q + "qkv_proj"] = ld.matrix([
+        (p + "q_proj.weight", (2 * h * d, hid), [(2 * d * q_start, 2 * d * q_stop)]),  # per head [query | gate]
+        (p + "k_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
+        (p + "v_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
+    ])
+    state[q + "o_proj"] = ld.matrix([(p + "o_proj.weight", (hid, h * d), [(q_start * d, q_stop * d)])], axis=1)
+    for norm in ("q_norm", "k_norm"):
+        state[q + norm + ".scale"] = _norm_scale(ld, p + norm + ".weight", d)
+
+
+def _load_gated_deltanet(ld: _Loader, p: str, config: Qwen3_5Config, state: dict, q: str) -> None:
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv, hid = config.linear_key_head_dim, config.linear_value_head_dim, config.hidden_size
+    key_dim, value_dim = hk * dk, hv * dv
+    conv_dim = 2 * key_dim + value_dim
+    k_start, k_stop = ld.plan.block(hk, "linear_num_key_heads")
+    v_start, v_stop = ld.plan.block(hv, "linear_num_value_heads")  # the value heads those key heads serve
+    values = [(v_start * dv, v_stop * dv)]
+    qkv = [(k_start * dk, k_stop * dk), (key_dim + k_start * dk, key_dim + k_stop * dk),  # q | k | v segments
+           (2 * key_dim + v_start * dv, 2 * key_dim + v_stop * dv)]
+    state[q + "in_proj"] = ld.matrix([
+        (p + "in_proj_qkv.weight", (conv_dim, hid), qkv),
+        (p + "in_proj_z.weight", (value_dim, hid), values),
+    ])
+    # b / a stay in HF's (out, in) memory in every dtype (an (in, out) view): x @ w is then exactly
+    # HF's matmul, and the chunked delta rule amplifies a 1-ulp change of the decay to ~1e-5 in
+    # float32 (these (Hv, H) matrices are too small for the layout to matter to speed)
+    state[q + "in_proj_b"] = ld.rows([(p + "in_proj_b.weight", (hv, hid), [(v_start, v_stop)])]).t()
+    state[q + "in_proj_a"] = ld.rows([(p + "in_proj_a.weight", (hv, hid), [(v_start, v_stop)])]).t()
+    kernel = config.linear_conv_kernel_dim
+    conv = ld.rows([(p + "conv1d.weight", (conv_dim, 1, kernel), qkv)])
+    state[q + "conv_weight"] = conv.reshape(conv.shape[0], kernel)
+    state[q + "dt_bias"] = ld.rows([(p + "dt_bias", (hv,), [(v_start, v_stop)])])
+    a_log = ld.rows([(p + "A_log", (hv,), [(v_start, v_stop)])])  # model dtype first, then float32 as HF
+    state[q + "neg_decay_rate"] = -a_log.float().exp()
+    state[q + "norm_weight"] = ld.tensor(p + "norm.weight", (dv,))  # per head dim: replicated
+    state[q + "out_proj"] = ld.matrix([(p + "out_proj.weight", (hid, value_dim), values)], axis=1)
+
+
+def _load_swiglu(ld: _Loader, p: str, hidden: int, inter: int, state: dict, q: str, name: str) -> None:
+    block = [ld.plan.block(inter, name)]
+    state[q + "gate_up_proj"] = ld.matrix([
+        (p + "gate_proj.weight", (inter, hidden), block),
+        (p + "up_proj.weight", (inter, hidden), block),
+    ])
+    state[q + "down_proj"] = ld.matrix([(p + "down_proj.weight", (hidden, inter), block)], axis=1)
+
+
+def _load_moe(ld: _Loader, p: str, config: Qwen3_5Config, state: dict, q: str) -> None:
+    e, hid, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    start, stop = ld.plan.block(inter, "moe_intermediate_size")
+    state[q + "router"] = ld.tensor(p + "gate.weight", (e, hid), transpose=True)
+    if ld.checkpoint.has(p + "experts.gate_up_proj"):  # fused layout (HF's in-memory one)
+        state[q + "experts_gate_up"] = ld.matrix(
+            [(p + "experts.gate_up_proj", (e, 2 * inter, hid), [(start, stop), (inter + start, inter + stop)])], axis=1)
+        state[q + "experts_down"] = ld.matrix([(p + "experts.down_proj", (e, hid, inter), [(start, stop)])], axis=2)
+    else:  # per-expert layout (what save_pretrained writes)
+        gate_up = [np.concatenate([ld.pieces(f"{p}experts.{i}.{proj}.weight", (inter, hid), 0, [(start, stop)])[0]
+                                   for proj in ("gate_proj", "up_proj")]) for i in range(e)]
+        state[q + "experts_gate_up"] = ld._torch(np.stack(gate_up), transpose=True)
+        down = [ld.pieces(f"{p}experts.{i}.down_proj.weight", (hid, inter), 1, [(start, stop)])[0] for i in range(e)]
+        state[q + "experts_down"] = ld._torch(np.stack(down), transpose=True)
+    _load_swiglu(ld, p + "shared_expert.", hid, config.shared_expert_intermediate_size, state,
+                 q + "shared_expert.", "shared_expert_intermediate_size")
+    state[q + "shared_expert_gate"] = ld.tensor(p + "shared_expert_gate.weight", (1, hid), transpose=True)
+
+
+def load(checkpoint: Checkpoint, dtype: str = "float32", device=None, plan: Optional[TPPlan] = None,
+         group=None) -> Qwen3_5ForCausalLM:
+    """Build the model from an opened checkpoint (``hyper_gen.models.checkpoint.Checkpoint``).
+
+    ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
+    model); ``group``: the torch.distributed group of the ``tp`` ranks (None: the world group,
+    whose size and this process's rank must then be ``tp`` and ``plan.rank``)."""
+    plan = TPPlan.resolve(plan)
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
+    if str(device).startswith("npu") and not npu_available():
+        raise ValueError(f"device {device!r} needs torch_npu and CANN, which are not available here")
+    try:
+        device = torch.device(device or "cpu")
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device {device!r} is not a torch device: {error}") from None
+    config = Qwen3_5Config.from_dict(checkpoint.config)
+    check_tp(plan, config)  # every split, before any weight is read
+    if plan.tp > 1:
+        _check_group(plan, group)
+    ld = _Loader(checkpoint, TORCH_DTYPES[dtype], device, plan)
+    hid = config.hidden_size
+
+    state = {"embed_tokens": ld.vocab_rows("model.embed_tokens.weight", config.vocab_size, hid)}
+    if not config.tie_word_embeddings:
+        state["lm_head"] = ld.vocab_rows("lm_head.weight", config.vocab_size, hid)
+    state["norm.scale"] = _norm_scale(ld, "model.norm.weight", hid)
+    for i, kind in enumerate(config.layer_types):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        for norm, ours in (("input_layernorm", "input_norm"), ("post_attention_layernorm", "post_attention_norm")):
+            state[f"{q}{ours}.scale"] = _norm_scale(ld, f"{p}{norm}.weight", hid)
+        if kind == "linear_attention":
+            _load_gated_deltanet(ld, p + "linear_attn.", config, state, q + "mixer.")
+        else:
+            _load_attention(ld, p + "self_attn.", config, state, q + "mixer.")
+        if config.is_moe:
+            _load_moe(ld, p + "mlp.", config, state, q + "mlp.")
+        else:
+            _load_swiglu(ld, p + "mlp.", hid, config.intermediate_size, state, q + "mlp.", "intermediate_size")
+
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config, plan, group)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rope_theta).to(device)
+    model.requires_grad_(False)
+    model.generation_defaults = generation_defaults(checkpoint)
+    return model.eval()
+
+
+def _check_group(plan: TPPlan, group) -> None:
+    """The group the shard all-reduces over must be the plan's ``tp`` ranks, this one at ``plan.rank``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"plan tp={plan.tp} needs an initialised torch.distributed process group: launch {plan.tp} processes "
+            f"(torchrun --nproc_per_node {plan.tp}) and load with hyper_gen.load_model(..., tp={plan.tp}), which "
+            "joins the job")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    where = "the world group" if group is None else f"group {group!r}"
+    if size != plan.tp:
+        raise ValueError(f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes")
+    if rank != plan.rank:
+        raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")

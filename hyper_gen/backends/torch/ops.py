@@ -1,0 +1,122 @@
+"""The ops protocol for torch (CPU, CUDA, and Ascend NPU through torch_npu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_DTYPES = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+    "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+class TorchOps:
+    """Torch ops bound to one device."""
+
+    name = "torch"
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+
+    def is_tensor(self, x):
+        return isinstance(x, torch.Tensor)
+
+    def asarray(self, array, dtype=None):
+        array = np.asarray(array)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        target = torch_dtype(dtype) if dtype else None
+        return tensor.to(device=self.device, dtype=target)
+
+    def to_numpy(self, x):
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return x.cpu().numpy()
+
+    def dtype_name(self, x):
+        return _NAMES[x.dtype]
+
+    def cast(self, x, dtype):
+        return x.to(torch_dtype(dtype))
+
+    def zeros(self, shape, dtype):
+        return torch.zeros(tuple(shape), dtype=torch_dtype(dtype), device=self.device)
+
+    def param_dtype(self, model):
+        for param in model.parameters() if isinstance(model, torch.nn.Module) else ():
+            if param.is_floating_point():
+                return _NAMES[param.dtype]
+        return "float32"
+
+    def concat(self, xs, axis):
+        return torch.cat(list(xs), dim=axis)
+
+    def where(self, cond, a, b):
+        return torch.where(cond, a, b)
+
+    def argmax(self, x, axis=-1):
+        return torch.argmax(x, dim=axis)
+
+    def max(self, x, axis=-1, keepdims=True):
+        return torch.amax(x, dim=axis, keepdim=keepdims)
+
+    def topk(self, x, k):
+        return torch.topk(x, k, dim=-1)
+
+    def sort(self, x, descending=False):
+        return torch.sort(x, dim=-1, descending=descending)
+
+    def cumsum(self, x, axis=-1):
+        return torch.cumsum(x, dim=axis)
+
+    def softmax(self, x, axis=-1):
+        return torch.softmax(x, dim=axis)
+
+    def take_along_axis(self, x, indices, axis=-1):
+        return torch.gather(x, axis, indices)
+
+    def scatter(self, x, indices, values, axis=-1):
+        return x.scatter(axis, indices, values)
+
+    def multinomial(self, probs):
+        # exactly HF's draw, so the RNG stream matches HF under torch.manual_seed
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+    def write_slice(self, buf, axis, start, value):
+        buf.narrow(axis, start, value.shape[axis]).copy_(value)
+
+    def no_grad(self):
+        return torch.no_grad()
+
+    # collectives -----------------------------------------------------------------------
+    def rank(self, group=None):
+        return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+    def world_size(self, group=None):
+        return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+    def all_gather(self, x, axis=0, group=None):
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=axis)
+
+    def all_reduce(self, x, op="sum", group=None):
+        x = x.clone()
+        dist.all_reduce(x, op=_REDUCE[op], group=group)
+        return x
+
+    def broadcast(self, x, src=0, group=None):
+        x = x.contiguous().clone()
+        dist.broadcast(x, src=src, group=group)
+        return x

@@ -1,0 +1,76 @@
+"""Benchmarks, each printing hyper_gen next to its anchor in one run.
+
+- ``loop``: time per decode step spent outside the model's forward, torch and MindSpore side by
+  side (B=4, V=32k by default), greedy and sampling, plus the backend ops each step issues.
+- ``hf``: HF ``generate`` vs ``hyper_gen.generate`` on the same HF Qwen3.5 model (decode tokens/s).
+- ``models``: native ``load_model`` (torch, MindSpore) vs HF generate on one checkpoint shape:
+  prefill latency, decode tokens/s and the fraction of the memory-bandwidth roofline.
+- ``tp``: TP=2 vs TP=1 under torchrun / msrun, with the bytes moved through collectives.
+
+Run: ``hyper-gen bench [loop|hf|models|tp] ...`` or ``python -m hyper_gen.bench ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="hyper-gen bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="which")
+    loop = sub.add_parser("loop", help="loop time outside the forward, torch vs MindSpore")
+    loop.add_argument("--backends", default="torch,mindspore")
+    loop.add_argument("--batch", type=int, default=4)
+    loop.add_argument("--vocab", type=int, default=32000)
+    loop.add_argument("--steps", type=int, default=64)
+    hf = sub.add_parser("hf", help="HF generate vs hyper_gen.generate on one HF Qwen3.5 model")
+    hf.add_argument("--hidden", type=int, default=256)
+    hf.add_argument("--layers", type=int, default=4)
+    hf.add_argument("--vocab", type=int, default=32000)
+    hf.add_argument("--batch", type=int, default=4)
+    hf.add_argument("--prompt-len", type=int, default=32)
+    hf.add_argument("--new-tokens", type=int, default=32)
+    hf.add_argument("--repeats", type=int, default=3)
+    hf.add_argument("--threads", type=int, default=0)
+    models = sub.add_parser("models", help="load_model (torch, MindSpore) vs HF generate, and the roofline")
+    models.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
+    models.add_argument("--backends", default="torch,mindspore")
+    models.add_argument("--batch", type=int, default=1)
+    models.add_argument("--prompt-len", type=int, default=32)
+    models.add_argument("--new-tokens", type=int, default=16)
+    models.add_argument("--repeats", type=int, default=2)
+    models.add_argument("--threads", type=int, default=0)
+    models.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
+    tp = sub.add_parser("tp", help="TP=2 vs TP=1 under torchrun / msrun")
+    tp.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
+    tp.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
+    tp.add_argument("--batch", type=int, default=1)
+    tp.add_argument("--prompt-len", type=int, default=32)
+    tp.add_argument("--new-tokens", type=int, default=16)
+    tp.add_argument("--repeats", type=int, default=2)
+    tp.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
+    args = parser.parse_args(argv)
+    if args.which == "tp":
+        from .tp import run_tp
+
+        run_tp(args)
+    elif args.which == "hf":
+        from .hf import run_hf
+
+        run_hf(args)
+    elif args.which == "models":
+        from .models import run_models
+
+        run_models(args)
+    else:
+        if args.which is None:
+            args = parser.parse_args(["loop"] + list(argv or []))
+        from .loop import run_loop
+
+        run_loop(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""``hyper-gen chat``: streaming multi-turn chat, on one process or every rank of a job.
+
+Under torchrun / msrun only rank 0 reads stdin; the text is broadcast so every rank runs the
+same generate() (collectives inside a parallel model stay in step), only rank 0 prints, sampling
+uses a seed shared by all ranks, and every rank leaves the loop together when rank 0 quits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from hyper_gen.generation import generate
+from hyper_gen.parallel.launcher import broadcast_ints, broadcast_text, host_ops
+from hyper_gen.streaming import TextStreamer
+
+from .common import generation_config, host, load_everything
+
+EXIT_WORDS = ("exit", "quit")
+
+
+def format_conversation(tokenizer, messages) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n".join(lines + ["Assistant:"])
+
+
+def _read_user_line():
+    try:
+        line = input("User: ")
+    except EOFError:
+        return None
+    return None if line.strip().lower() in EXIT_WORDS else line
+
+
+def run_chat(args) -> int:
+    model, tokenizer, defaults = load_everything(args)
+    config = generation_config(args, defaults)
+    ops = host_ops(args.backend)
+    rank, world = ops.rank(), ops.world_size()
+    out = sys.stdout if rank == 0 else open(os.devnull, "w")
+    print(f"Entering chat ({args.backend}, {world} rank{'s' if world > 1 else ''}). Type 'exit' to quit.", file=out)
+    messages, turn = [], 0
+    rng = np.random.default_rng()
+    while True:
+        text = _read_user_line() if rank == 0 else None
+        text = broadcast_text(ops, text) if world > 1 else text
+        if text is None:
+            break
+        seed = args.seed + turn if args.seed is not None else int(rng.integers(0, 2**31 - 1))
+        if world > 1:
+            seed = int(broadcast_ints(ops, [seed])[0])
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer(format_conversation(tokenizer, messages), return_tensors="np",
+                        add_special_tokens=False)["input_ids"]
+        print("Assistant:", end=" ", file=out, flush=True)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True, file=out)
+        result = np.asarray(host(generate(model, ids, config.replace(seed=seed) if config.do_sample else config,
+                                           streamer=streamer)))
+        reply = tokenizer.decode(result[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply.strip()})
+        turn += 1
+    print("", file=out, flush=True)
+    return 0

@@ -1,0 +1,60 @@
+"""``hyper-gen``: generate, chat and bench from the command line (also ``python -m hyper_gen``).
+
+Errors a user can fix (unknown backend, a path that is not a checkpoint, a missing tokenizer, a
+rejected flag) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hyper_gen import registry
+from hyper_gen.parallel.launcher import launched_multi_rank, shutdown_distributed
+
+from .chat import run_chat
+from .common import UsageError, add_model_flags, add_sampling_flags
+from .generate import run_generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hyper-gen", description="One generate() for PyTorch and MindSpore models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts, or a JSONL file of prompts")
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    gen.add_argument("--input", help="JSONL file with {\"id\": ..., \"prompt\": ...} per line")
+    gen.add_argument("--output", help="JSONL file to append results to (resumable)")
+    gen.add_argument("--batch-size", type=int, default=8)
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    add_model_flags(gen)
+    add_sampling_flags(gen)
+    chat = sub.add_parser("chat", help="interactive streaming chat (rank 0 reads stdin)")
+    add_model_flags(chat)
+    add_sampling_flags(chat)
+    chat.set_defaults(max_new_tokens=128)
+    sub.add_parser("bench", help="benchmarks against HF generate and the roofline", add_help=False)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from hyper_gen.bench import main as bench_main
+
+        bench_main(argv[1:])
+        return 0
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        return run_chat(args)
+    except UsageError as exc:
+        print(f"hyper-gen: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if launched_multi_rank() and args.backend in registry.names():
+            shutdown_distributed(args.backend)  # every rank leaves the job cleanly
+
+
+def entry_point() -> None:
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""``load_model``: an HF checkpoint folder -> a native torch or MindSpore model.
+
+Backend- and family-neutral: the checkpoint's architecture picks the model family
+(``hyper_gen.models.FAMILIES``), the backend registry picks the adapter, and the adapter's
+``models.<family>.load(checkpoint, dtype, device, plan, group)`` builds the model. With
+``tp > 1`` the launcher's process group is joined here and each rank loads only its shard.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+from hyper_gen import registry
+from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
+from hyper_gen.parallel.tp_plan import TPPlan
+
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def family_for(checkpoint: Checkpoint):
+    """The model-family description module (``hyper_gen.models.<family>``) for the checkpoint."""
+    from hyper_gen.models import FAMILIES
+
+    family = FAMILIES.get(checkpoint.architecture)
+    if family is None:
+        raise ValueError(
+            f"checkpoint {checkpoint.path!r} has architecture {checkpoint.architecture or None!r}; "
+            f"supported: {', '.join(FAMILIES)}"
+        )
+    return importlib.import_module(f"hyper_gen.models.{family}")
+
+
+def load_model(path, backend: str = "torch", dtype: str = "float32", device: Optional[str] = None, tp: int = 1):
+    """Load a checkpoint folder as a native ``backend`` model in ``dtype``.
+
+    ``device``: a torch device string for ``backend="torch"`` (default CPU; with ``tp > 1`` the
+    rank's own accelerator, ``npu:<LOCAL_RANK>`` / ``cuda:<LOCAL_RANK>``, where one exists); for
+    ``backend="mindspore"`` the MindSpore device target ("CPU", "Ascend"), which must be the one
+    already selected with ``mindspore.set_device`` (default: whatever is selected).
+    The model carries ``generation_defaults`` (eos/pad/bos ids from generation_config.json).
+
+    ``tp``: tensor-parallel ranks. With ``tp > 1`` every process of a ``torchrun`` (torch) or
+    ``msrun`` (MindSpore) job of exactly ``tp`` ranks calls this; the job's process group is
+    joined if not yet, the config is checked against ``TPPlan(tp, rank)`` before any weight is
+    read, and each rank reads only its slices. The tp ranks are the whole job (world == tp).
+    Pass the model to ``hyper_gen.generate`` on every rank with the same inputs.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    registry.check_name(backend)
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str, one of {DTYPES}, got {type(dtype).__name__} {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if device is not None and not isinstance(device, str):
+        raise TypeError(f"device must be a str or None, got {type(device).__name__} {device!r}")
+    adapter = registry.adapter(backend)
+    device = adapter.resolve_device(device, dtype, tp)
+
+    checkpoint = Checkpoint(path)
+    family = family_for(checkpoint)
+    config = family.config_from_checkpoint(checkpoint)
+    plan = _join_tp_job(adapter, tp, family, config) if tp > 1 else None
+    kernels = importlib.import_module(f"{adapter.models.__name__}.{family.NAME}")
+    model = kernels.load(checkpoint, dtype, device=device, plan=plan, group=None)
+    model.generation_defaults = generation_defaults(checkpoint)
+    return model
+
+
+def _join_tp_job(adapter, tp: int, family, config) -> TPPlan:
+    """This rank's ``TPPlan`` in the launcher's job of ``tp`` ranks, the config checked against it.
+
+    The divisibility checks do not depend on the rank, so a tp that does not divide the heads
+    fails (on every rank alike) before the process group is touched."""
+    family.check_tp(TPPlan(tp, 0), config)
+    if not adapter.init_distributed():
+        raise ValueError(
+            f"tp={tp} needs {tp} processes launched together ({adapter.launcher(tp)} ...), but this is a single "
+            "process with no process group; use tp=1 here"
+        )
+    ops = adapter.host_ops()
+    world, rank = ops.world_size(), ops.rank()
+    if world != tp:
+        raise ValueError(
+            f"tp={tp} but the job has {world} ranks: tensor parallelism spans the whole job, "
+            f"launch it with {adapter.launcher(tp)}"
+        )
+    plan = TPPlan(tp, rank)
+    family.check_tp(plan, config)
+    return plan

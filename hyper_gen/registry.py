@@ -1,0 +1,86 @@
+"""The one backend registry: backend name -> the adapter package that implements it.
+
+Every layer asks this module (the generate core to find the ops of a model or tensor, the model
+loader to build a native model, the CLI and the launchers to join a job). An adapter is a package
+``hyper_gen.backends.<name>`` that provides, at module level:
+
+- ``ops_for(obj) -> Ops | None``: ops bound to the device of a model or tensor it recognises;
+- ``host_ops() -> Ops``: ops on the default device, for moving host values between ranks;
+- ``init_distributed() -> bool`` / ``shutdown_distributed()``: join / leave the launcher's job;
+- ``launcher(n) -> str``: the command that starts n ranks (for error messages);
+- ``limit_threads(n) -> str``: cap intra-op threads where the framework allows (benchmarks of
+  ranks sharing a host), returning what it did;
+- ``resolve_device(device, dtype, tp) -> device``: where ``load_model`` puts the weights, raising
+  ``ValueError`` for a dtype the device cannot compute in;
+- ``models``: a package with one module per model family (``models.qwen3_5.load(...)``).
+
+Adapters are imported on first use, and :func:`backend_for` only asks adapters whose framework is
+already imported, so ``import hyper_gen`` never imports torch or mindspore. A new backend is one
+entry in ``BACKENDS`` plus its package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any, List
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # what users type: load_model(backend=...), --backend
+    framework: str  # the top-level module whose presence in sys.modules makes the adapter eligible
+    package: str  # the adapter package
+
+
+BACKENDS = {
+    "torch": Backend("torch", "torch", "hyper_gen.backends.torch"),
+    "mindspore": Backend("mindspore", "mindspore", "hyper_gen.backends.mindspore"),
+}
+
+
+def names() -> tuple:
+    return tuple(BACKENDS)
+
+
+def check_name(name: Any) -> str:
+    """``name`` if it is a registered backend, else a ValueError naming the choices."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"backend must be one of {names()}, got {name!r}")
+    return name
+
+
+def adapter(name: str):
+    """The adapter package of backend ``name`` (imports its framework)."""
+    return importlib.import_module(BACKENDS[check_name(name)].package)
+
+
+def imported_adapters() -> List[Any]:
+    """Adapters of every framework already imported (the only ones a foreign object can belong to)."""
+    return [importlib.import_module(b.package) for b in BACKENDS.values() if b.framework in sys.modules]
+
+
+def backend_for(*objects: Any):
+    """The ops of the first imported framework that claims one of ``objects`` (a model or a tensor)."""
+    for adapter_module in imported_adapters():
+        for obj in objects:
+            if obj is None:
+                continue
+            ops = adapter_module.ops_for(obj)
+            if ops is not None:
+                return ops
+    kinds = ", ".join(type(o).__name__ for o in objects if o is not None)
+    raise TypeError(
+        f"no backend recognises {kinds or 'nothing'}: pass a torch.nn.Module / mindspore.nn.Cell model "
+        "(or a callable whose parameters or inputs are torch / mindspore tensors)"
+    )
+
+
+def to_host(value: Any) -> Any:
+    """A framework tensor as a numpy array; anything else unchanged."""
+    for adapter_module in imported_adapters():
+        ops = adapter_module.ops_for(value)
+        if ops is not None and ops.is_tensor(value):
+            return ops.to_numpy(value)
+    return value
