@@ -1,6 +1,6 @@
 """Quickstart: the bundled demo model (a tiny Qwen3.5 that reverses digit strings) on torch.
 
-    python examples/quickstart.py [torch|mindspore]
+python examples/quickstart.py [torch|mindspore]
 """
 
 import sys
@@ -17,12 +17,15 @@ tokenizer = AutoTokenizer.from_pretrained(demo_model_path(), padding_side="left"
 prompts = ["rev 12345 =", "rev 908 =", "rev 2026 ="]
 batch = tokenizer(prompts, padding=True, return_tensors="np")
 defaults = model.generation_defaults  # eos/pad ids from the checkpoint's generation_config.json
-config = GenerationConfig(max_new_tokens=12, eos_token_id=defaults["eos_token_id"], pad_token_id=defaults["pad_token_id"])
+config = GenerationConfig(
+    max_new_tokens=12, eos_token_id=defaults["eos_token_id"], pad_token_id=defaults["pad_token_id"]
+)
 out = generate(model, batch["input_ids"], config, attention_mask=batch["attention_mask"])
-for prompt, row in zip(prompts, out.tolist()):
+for row in out.tolist():
     print(tokenizer.decode(row, skip_special_tokens=True))
 
 # sampling: portable seeded noise gives the same tokens on torch and MindSpore
-out = generate(model, batch["input_ids"], config, attention_mask=batch["attention_mask"],
-               do_sample=True, temperature=0.7, seed=0)
+out = generate(
+    model, batch["input_ids"], config, attention_mask=batch["attention_mask"], do_sample=True, temperature=0.7, seed=0
+)
 print("sampled:", [tokenizer.decode(row, skip_special_tokens=True) for row in out.tolist()])

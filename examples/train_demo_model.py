@@ -56,6 +56,7 @@ MAX_NEW_TOKENS = demo_task.MAX_DIGITS + 4
 
 # --------------------------------------------------------------------------- tokenizer
 
+
 def build_tokenizer():
     """A character-level PreTrainedTokenizerFast (BPE with no merges = one token per character)."""
     from tokenizers import Tokenizer, decoders, models
@@ -85,8 +86,9 @@ def check_tokenizer(tokenizer):
     assert tokenizer.decode(ids) == text, tokenizer.decode(ids)
     assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == text
     assert tokenizer.pad_token_id == 0 and tokenizer.eos_token_id == 1
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "rev 12 ="}],
-                                         tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "rev 12 ="}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "rev 12 =", repr(chat)
 
 
@@ -110,6 +112,7 @@ def finish_tokenizer_files(out: str):
 
 
 # --------------------------------------------------------------------------- model
+
 
 def build_model(vocab_size: int, pad_id: int, eos_id: int):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -150,6 +153,7 @@ def build_model(vocab_size: int, pad_id: int, eos_id: int):
 
 # --------------------------------------------------------------------------- data
 
+
 def make_batch(rng: random.Random, char_ids, batch_size: int, max_examples: int, eos_id: int, pad_id: int):
     """Rows of 1..max_examples packed examples ("rev 12 = 21<eos>rev 345 = 543<eos>"), right-padded.
 
@@ -171,8 +175,8 @@ def make_batch(rng: random.Random, char_ids, batch_size: int, max_examples: int,
     input_ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
     target_mask = torch.zeros((batch_size, width), dtype=torch.bool)
     for i, (r, m) in enumerate(zip(rows, masks)):
-        input_ids[i, :len(r)] = torch.tensor(r)
-        target_mask[i, :len(m)] = torch.tensor(m)
+        input_ids[i, : len(r)] = torch.tensor(r)
+        target_mask[i, : len(m)] = torch.tensor(m)
     # position t predicts token t+1: shift the "trained token" mask left by one
     predict_mask = torch.zeros_like(target_mask)
     predict_mask[:, :-1] = target_mask[:, 1:]
@@ -194,6 +198,7 @@ def loss_fn(model, input_ids, predict_mask):
 
 # --------------------------------------------------------------------------- evaluation
 
+
 @torch.no_grad()
 def evaluate(model, tokenizer, pairs, batch_size: int):
     """Greedy held-out accuracy: one prompt at a time, and in left-padded batches of ``batch_size``."""
@@ -203,22 +208,28 @@ def evaluate(model, tokenizer, pairs, batch_size: int):
     for prompt in prompts:
         enc = tokenizer(prompt, return_tensors="pt")
         out = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-        single.append(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+        single.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     batched = []
     assert tokenizer.padding_side == "left"
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
+        chunk = prompts[start : start + batch_size]
         enc = tokenizer(chunk, return_tensors="pt", padding=True)
-        out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
-                             max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        out = model.generate(
+            enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+        )
         width = enc["input_ids"].shape[1]
         batched += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     acc_single = sum(demo_task.is_correct(p, c) for p, c in zip(prompts, single)) / len(prompts)
     acc_batched = sum(demo_task.is_correct(p, c) for p, c in zip(prompts, batched)) / len(prompts)
     agree = sum(a == b for a, b in zip(single, batched)) / len(prompts)
     exact = sum(c == want for (_, want), c in zip(pairs, single)) / len(prompts)
-    return {"single": acc_single, "batched": acc_batched, "single_batched_agree": agree,
-            "exact_text_single": exact, "examples": list(zip(prompts[:5], single[:5]))}
+    return {
+        "single": acc_single,
+        "batched": acc_batched,
+        "single_batched_agree": agree,
+        "exact_text_single": exact,
+        "examples": list(zip(prompts[:5], single[:5])),
+    }
 
 
 @torch.no_grad()
@@ -227,17 +238,20 @@ def evaluate_chat(model, tokenizer, pairs):
     model.eval()
     ok = 0
     for (p1, a1), (p2, _) in zip(pairs[0::2], pairs[1::2]):
-        messages = [{"role": "user", "content": p1}, {"role": "assistant", "content": a1},
-                    {"role": "user", "content": p2}]
-        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
+        messages = [
+            {"role": "user", "content": p1},
+            {"role": "assistant", "content": a1},
+            {"role": "user", "content": p2},
+        ]
+        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         out = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-        text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         ok += demo_task.is_correct(p2, text)
     return ok / max(1, len(pairs) // 2)
 
 
 # --------------------------------------------------------------------------- main
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,8 +281,11 @@ def main(argv=None):
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+    )
     warmup = min(100, args.steps // 10)
 
     def lr_at(step):
@@ -289,8 +306,11 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 100 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  loss {loss.item():.4f}  train row acc {seq_acc:.3f}  "
-                  f"lr {lr_at(step):.2e}  {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"step {step:5d}  loss {loss.item():.4f}  train row acc {seq_acc:.3f}  "
+                f"lr {lr_at(step):.2e}  {time.time() - t0:.0f}s",
+                flush=True,
+            )
     train_s = time.time() - t0
     print(f"training: {args.steps} steps in {train_s:.0f}s")
 
@@ -317,10 +337,12 @@ def main(argv=None):
     result = evaluate(loaded, loaded_tok, pairs, batch_size=32)
     chat_acc = evaluate_chat(loaded, loaded_tok, demo_task.make_prompts(100, seed=args.eval_seed + 1))
     print(f"eval took {time.time() - t1:.0f}s; examples: {result['examples']}")
-    print(f"held-out greedy accuracy ({len(pairs)} prompts, HF generate): "
-          f"single {result['single']:.1%}  left-padded batch {result['batched']:.1%}  "
-          f"(single/batched identical text {result['single_batched_agree']:.1%}; "
-          f"exact completion text {result['exact_text_single']:.1%}); 2-turn chat {chat_acc:.1%}")
+    print(
+        f"held-out greedy accuracy ({len(pairs)} prompts, HF generate): "
+        f"single {result['single']:.1%}  left-padded batch {result['batched']:.1%}  "
+        f"(single/batched identical text {result['single_batched_agree']:.1%}; "
+        f"exact completion text {result['exact_text_single']:.1%}); 2-turn chat {chat_acc:.1%}"
+    )
 
     size_kb = os.path.getsize(os.path.join(args.out, "model.safetensors")) / 1024
     with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:

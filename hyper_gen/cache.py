@@ -43,12 +43,9 @@ class KVCache:
             self.update(new_key_values)
             return
         if len(new_key_values) != len(self.past_key_values):
-            raise ValueError(
-                f"merge got {len(new_key_values)} layers but the cache holds {len(self.past_key_values)}"
-            )
+            raise ValueError(f"merge got {len(new_key_values)} layers but the cache holds {len(self.past_key_values)}")
         self.past_key_values = [
-            (concat([k, nk], 2), concat([v, nv], 2))
-            for (k, v), (nk, nv) in zip(self.past_key_values, new_key_values)
+            (concat([k, nk], 2), concat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.past_key_values, new_key_values)
         ]
 
     def detach(self) -> None:
@@ -116,7 +113,8 @@ class StaticCache(_ModelCache):
             b, h, _, d = key.shape
             self.keys[layer_idx] = self.ops.zeros((b, h, self.max_length, d), self.ops.dtype_name(key))
             self.values[layer_idx] = self.ops.zeros(
-                (b, value.shape[1], self.max_length, value.shape[3]), self.ops.dtype_name(value))
+                (b, value.shape[1], self.max_length, value.shape[3]), self.ops.dtype_name(value)
+            )
         end = self.seq_length + key.shape[2]
         if end > self.max_length:
             raise ValueError(f"cache overflow: writing up to position {end} > max_length {self.max_length}")

@@ -82,8 +82,13 @@ class GenerationConfig:
     @property
     def eos_token_ids(self) -> List[int]:
         """The stop ids as a list (empty when ``eos_token_id`` is None)."""
-        return [] if self.eos_token_id is None else list(self.eos_token_id) if isinstance(
-            self.eos_token_id, list) else [self.eos_token_id]
+        return (
+            []
+            if self.eos_token_id is None
+            else list(self.eos_token_id)
+            if isinstance(self.eos_token_id, list)
+            else [self.eos_token_id]
+        )
 
     def replace(self, **overrides) -> "GenerationConfig":
         """A copy with ``overrides`` applied (validated); unknown names raise ``TypeError``."""

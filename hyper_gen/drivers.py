@@ -39,8 +39,7 @@ def _past(output) -> Any:
 def is_hf_model(model) -> bool:
     """An HF ``PreTrainedModel`` with a ``GenerationMixin``, found without importing transformers."""
     return any(
-        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
-        for cls in type(model).__mro__
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(model).__mro__
     )
 
 
@@ -118,8 +117,9 @@ class ReturnedCacheDriver(_Driver):
             mask = self._mask_buffer[:, :, :, :length]
         positions = ops.asarray(self.next_position[:, None], "int64")
         self.next_position = self.next_position + 1
-        output = self.model(tokens_device, position_ids=positions, attention_mask=mask,
-                            past_key_values=self.cache.past_key_values)
+        output = self.model(
+            tokens_device, position_ids=positions, attention_mask=mask, past_key_values=self.cache.past_key_values
+        )
         self.cache.update(_past(output))
         return _logits(output)
 
@@ -138,8 +138,9 @@ class CacheObjectDriver(_Driver):
         cache = self._new_cache(self.host_ids.shape[0], self.host_ids.shape[1], "dynamic")
         if self.prompt.padded:
             cache.prompt_mask = self.ops.asarray(self.host_mask, self.dtype)
-        return _logits(self.model(ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                                  logits_to_keep=1))
+        return _logits(
+            self.model(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, logits_to_keep=1)
+        )
 
     def prefill(self):
         ops, prompt, cfg = self.ops, self.prompt, self.config
@@ -169,11 +170,12 @@ class CacheObjectDriver(_Driver):
         ops = self.ops
         position = self.cache.seq_length
         ops.write_slice(self._mask, 3, position, self._unmask)
-        mask = self._mask if self.cache.is_static else self._mask[:, :, :, :position + 1]
+        mask = self._mask if self.cache.is_static else self._mask[:, :, :, : position + 1]
         positions = ops.asarray(self.next_position[:, None], "int64")
         self.next_position = self.next_position + 1
-        output = self.model(tokens_device, position_ids=positions, attention_mask=mask,
-                            past_key_values=self.cache, logits_to_keep=1)
+        output = self.model(
+            tokens_device, position_ids=positions, attention_mask=mask, past_key_values=self.cache, logits_to_keep=1
+        )
         self.cache.advance(1)
         return _logits(output)
 
@@ -200,9 +202,15 @@ class HFDriver(_Driver):
         return self.ops.asarray(np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0).astype(np.int64), "int64")
 
     def _forward(self, ids, last_only: bool):
-        return self.model(input_ids=ids, attention_mask=self._mask2d(), position_ids=self._positions(last_only),
-                          past_key_values=self._cache, use_cache=self.config.use_cache, return_dict=True,
-                          **self._keep)
+        return self.model(
+            input_ids=ids,
+            attention_mask=self._mask2d(),
+            position_ids=self._positions(last_only),
+            past_key_values=self._cache,
+            use_cache=self.config.use_cache,
+            return_dict=True,
+            **self._keep,
+        )
 
     def prefill(self):
         if self.config.use_cache:

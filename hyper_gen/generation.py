@@ -15,15 +15,23 @@ import numpy as np
 from .config import GenerationConfig, resolve_config
 from .drivers import make_driver
 from .inputs import prepare_prompts
-from .registry import backend_for
 from .parallel.model_group import check_consistent_inputs, gather_vocab_logits
+from .registry import backend_for
 from .sampling import TokenSelector, apply_stopping_criteria
 
 OnTokens = Callable[[int, np.ndarray, np.ndarray], Any]
 
 
-def generate(model, input_ids, generation_config: Optional[GenerationConfig] = None, attention_mask=None, *,
-             streamer=None, on_tokens: Optional[OnTokens] = None, **config_overrides):
+def generate(
+    model,
+    input_ids,
+    generation_config: Optional[GenerationConfig] = None,
+    attention_mask=None,
+    *,
+    streamer=None,
+    on_tokens: Optional[OnTokens] = None,
+    **config_overrides,
+):
     """Generate continuations of left-padded prompts with ``model``.
 
     ``input_ids`` / ``attention_mask``: a framework tensor, numpy array or list of lists (1 =
@@ -96,6 +104,6 @@ def _assemble(prompt, generated, new_counts, pad) -> np.ndarray:
     out = np.full((prompt.batch_size, int(lengths.max())), pad, dtype=np.int64)
     for row in range(prompt.batch_size):
         real = prompt.real_tokens(row)
-        out[row, :real.size] = real
-        out[row, real.size:real.size + new_counts[row]] = generated[row, :new_counts[row]]
+        out[row, : real.size] = real
+        out[row, real.size : real.size + new_counts[row]] = generated[row, : new_counts[row]]
     return out

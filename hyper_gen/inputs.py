@@ -36,7 +36,7 @@ class PromptBatch:
         return np.where(self.mask == 1, np.cumsum(self.mask, axis=1) - 1, 0).astype(np.int64)
 
     def real_tokens(self, row: int) -> np.ndarray:
-        return self.ids[row, self.width - int(self.lengths[row]):]
+        return self.ids[row, self.width - int(self.lengths[row]) :]
 
 
 def _as_2d_int(name: str, value: Any) -> np.ndarray:

@@ -53,7 +53,7 @@ def sample_candidates(scores: np.ndarray, tokens: np.ndarray, config, step: int)
     if config.temperature != 1.0:
         scores = scores / config.temperature
     if config.top_k:
-        kth = scores[:, min(config.top_k, scores.shape[1]) - 1:][:, :1]
+        kth = scores[:, min(config.top_k, scores.shape[1]) - 1 :][:, :1]
         scores = np.where(scores < kth, -np.inf, scores)
     if config.top_p < 1.0:
         # HF: ascending cumulative probability, drop cum <= 1 - top_p, always keep the best token

@@ -35,8 +35,10 @@ class TextStreamer:
         ids = np.asarray(value)
         if ids.ndim > 1:
             if ids.shape[0] > 1:
-                raise ValueError(f"{type(self).__name__} supports batch size 1, got {ids.shape[0]} rows "
-                                 "(use generate(..., on_tokens=...) for batches)")
+                raise ValueError(
+                    f"{type(self).__name__} supports batch size 1, got {ids.shape[0]} rows "
+                    "(use generate(..., on_tokens=...) for batches)"
+                )
             ids = ids[0]
         if self._prompt_pending:
             self._prompt_pending = False
@@ -46,12 +48,12 @@ class TextStreamer:
         text = self.tokenizer.decode(self._tokens, **self.decode_kwargs)
         stable = len(text.rstrip(_INCOMPLETE))
         if stable > self._printed:
-            self.on_text(text[self._printed:stable])
+            self.on_text(text[self._printed : stable])
             self._printed = stable
 
     def end(self) -> None:
         text = self.tokenizer.decode(self._tokens, **self.decode_kwargs) if self._tokens else ""
-        self.on_text(text[self._printed:], stream_end=True)
+        self.on_text(text[self._printed :], stream_end=True)
         self._tokens, self._printed, self._prompt_pending = [], 0, True
 
     def on_text(self, text: str, stream_end: bool = False) -> None:

@@ -4,7 +4,6 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
-
 from backend_harness import HARNESSES
 
 # the conformance suite runs on every backend listed here

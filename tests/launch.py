@@ -25,18 +25,31 @@ def _env():
 
 def torchrun(args, nproc=2, timeout=300, stdin=None, cwd=None):
     """CompletedProcess of ``torchrun --nproc_per_node N args...`` (stdout+stderr in .stdout)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}"] + list(args)
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout, env=_env(),
-                          cwd=cwd or REPO)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+    ] + list(args)
+    return subprocess.run(
+        cmd, input=stdin, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd or REPO
+    )
 
 
 def msrun(args, log_dir, nproc=2, timeout=300, stdin=None, cwd=None):
     """CompletedProcess of ``msrun ... args``; each worker's log is appended to .stdout."""
-    cmd = ["msrun", f"--worker_num={nproc}", f"--local_worker_num={nproc}", f"--master_port={free_port()}",
-           "--join=True", f"--log_dir={log_dir}"] + list(args)
-    result = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout, env=_env(),
-                            cwd=cwd or REPO)
+    cmd = [
+        "msrun",
+        f"--worker_num={nproc}",
+        f"--local_worker_num={nproc}",
+        f"--master_port={free_port()}",
+        "--join=True",
+        f"--log_dir={log_dir}",
+    ] + list(args)
+    result = subprocess.run(
+        cmd, input=stdin, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd or REPO
+    )
     logs = ""
     for path in sorted(glob.glob(os.path.join(log_dir, "worker_*.log"))):
         with open(path, encoding="utf-8", errors="replace") as f:

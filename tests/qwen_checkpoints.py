@@ -92,11 +92,13 @@ def _hf_config(kind: str, tie_word_embeddings: bool, text_overrides=None):
     if kind == "moe":
         return tf.Qwen3_5MoeTextConfig(**text, tie_word_embeddings=tie_word_embeddings), tf.Qwen3_5MoeForCausalLM
     if kind == "multimodal":
-        config = tf.Qwen3_5Config(text_config=text, vision_config=dict(TINY_VISION_CONFIG),
-                                  tie_word_embeddings=tie_word_embeddings)
+        config = tf.Qwen3_5Config(
+            text_config=text, vision_config=dict(TINY_VISION_CONFIG), tie_word_embeddings=tie_word_embeddings
+        )
         return config, tf.Qwen3_5ForConditionalGeneration
-    config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=dict(TINY_VISION_CONFIG),
-                                 tie_word_embeddings=tie_word_embeddings)
+    config = tf.Qwen3_5MoeConfig(
+        text_config=text, vision_config=dict(TINY_VISION_CONFIG), tie_word_embeddings=tie_word_embeddings
+    )
     return config, tf.Qwen3_5MoeForConditionalGeneration
 
 
@@ -115,8 +117,15 @@ def _randomise(model, seed: int) -> None:
                 param.add_(0.1 * noise)
 
 
-def make_checkpoint(tmp_path, kind: str = "dense", dtype: str = "float32", fused_experts: bool = False,
-                    tie_word_embeddings: bool = False, seed: int = 0, text_overrides: dict = None) -> str:
+def make_checkpoint(
+    tmp_path,
+    kind: str = "dense",
+    dtype: str = "float32",
+    fused_experts: bool = False,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    text_overrides: dict = None,
+) -> str:
     """Write a tiny random HF checkpoint under ``tmp_path`` and return its folder.
 
     ``text_overrides``: text-config fields to change (e.g. ``{"num_key_value_heads": 1}``).
@@ -172,7 +181,8 @@ def _fuse_experts(path: str) -> None:
     for prefix, projs in grouped.items():
         experts = sorted(projs["gate_proj"])
         fused[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], 0) for e in experts]).contiguous()
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], 0) for e in experts]
+        ).contiguous()
         fused[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in experts]).contiguous()
     save_file(fused, file, metadata={"format": "pt"})
 
@@ -189,5 +199,6 @@ def load_hf(path: str, dtype: str = "float32", attn_implementation: str = "sdpa"
         architecture = json.load(f)["architectures"][0]
     cls = getattr(tf, architecture)
     extra = {"experts_implementation": "eager"} if "Moe" in architecture else {}
-    return cls.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
-                               **extra).eval()
+    return cls.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **extra
+    ).eval()

@@ -5,9 +5,9 @@ import math
 import mindspore as ms
 import numpy as np
 from mindspore import ops
+from stub_weights import stub_weights
 
 from hyper_gen import GenerateMixin
-from stub_weights import stub_weights
 
 
 class MindSporeStubLM(GenerateMixin, ms.nn.Cell):

@@ -4,9 +4,9 @@ import math
 
 import numpy as np
 import torch
+from stub_weights import stub_weights
 
 from hyper_gen import GenerateMixin
-from stub_weights import stub_weights
 
 
 class TorchStubLM(GenerateMixin, torch.nn.Module):

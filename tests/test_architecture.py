@@ -125,7 +125,7 @@ def test_no_framework_import_outside_the_backends(part):
         for module, targets in GRAPH.items()
         if _part(module) == part
         for target in targets
-        if target in FRAMEWORKS and not (module, target) in ALLOWED_FRAMEWORK_IMPORTS
+        if target in FRAMEWORKS and (module, target) not in ALLOWED_FRAMEWORK_IMPORTS
     )
     assert not offenders, "\n".join(offenders)
 

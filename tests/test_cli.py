@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from demo_task import is_correct, make_prompts
 from launch import REPO, _env, msrun, torchrun
 
@@ -16,8 +15,9 @@ CLI = [sys.executable, "-m", "hyper_gen"]
 
 
 def run_cli(args, stdin=None, timeout=180):
-    return subprocess.run(CLI + list(args), input=stdin, capture_output=True, text=True, timeout=timeout,
-                          env=_env(), cwd=REPO)
+    return subprocess.run(
+        CLI + list(args), input=stdin, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
@@ -31,23 +31,43 @@ def test_generate_prompts_on_demo_model(backend):
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert len(lines) == len(prompts)
     for (prompt, _), line in zip(prompts, lines):
-        assert line.startswith(prompt) and is_correct(prompt, line[len(prompt):])
+        assert line.startswith(prompt) and is_correct(prompt, line[len(prompt) :])
 
 
 def test_stream_and_sampling_flags():
     prompt, _ = make_prompts(1, seed=3)[0]
-    result = run_cli(["generate", "--prompt", prompt, "--stream", "--do-sample", "--temperature", "0.5",
-                      "--top-k", "5", "--top-p", "0.9", "--seed", "1", "--max-new-tokens", "12"])
+    result = run_cli(
+        [
+            "generate",
+            "--prompt",
+            prompt,
+            "--stream",
+            "--do-sample",
+            "--temperature",
+            "0.5",
+            "--top-k",
+            "5",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "1",
+            "--max-new-tokens",
+            "12",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith(prompt) and is_correct(prompt, result.stdout[len(prompt):].rstrip("\n"))
+    assert result.stdout.startswith(prompt) and is_correct(prompt, result.stdout[len(prompt) :].rstrip("\n"))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["generate", "--prompt", "x", "--backend", "jax"], "unknown backend 'jax'"),
-    (["generate", "--prompt", "x", "--model", "/"], "not an HF checkpoint"),
-    (["generate", "--prompt", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--prompt", "x", "--backend", "jax"], "unknown backend 'jax'"),
+        (["generate", "--prompt", "x", "--model", "/"], "not an HF checkpoint"),
+        (["generate", "--prompt", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    ],
+)
 def test_errors_are_one_line_exit_2(args, message):
     result = run_cli(args, timeout=120)
     assert result.returncode == 2
@@ -75,8 +95,7 @@ def _write_prompts(path, n):
 def test_jsonl_killed_halfway_then_resumed(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     expected = _write_prompts(inp, 24)
-    args = CLI + ["generate", "--input", str(inp), "--output", str(out), "--batch-size", "1",
-                  "--max-new-tokens", "12"]
+    args = CLI + ["generate", "--input", str(inp), "--output", str(out), "--batch-size", "1", "--max-new-tokens", "12"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 5):
@@ -115,26 +134,49 @@ def _check_chat(text, prompts):
         assert is_correct(prompt, " " + reply), (prompt, reply)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", ["1", "2"])
 def test_chat_under_torchrun_two_ranks(tp):
     prompts = [p for p, _ in make_prompts(2, seed=9)]
-    result = torchrun(["-m", "hyper_gen", "chat", "--tp", tp, "--max-new-tokens", "12", "--do-sample",
-                       "--temperature", "0.3", "--seed", "4"], stdin="\n".join(prompts) + "\n", timeout=240)
+    result = torchrun(
+        [
+            "-m",
+            "hyper_gen",
+            "chat",
+            "--tp",
+            tp,
+            "--max-new-tokens",
+            "12",
+            "--do-sample",
+            "--temperature",
+            "0.3",
+            "--seed",
+            "4",
+        ],
+        stdin="\n".join(prompts) + "\n",
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     _check_chat(result.stdout, prompts)  # EOF quits; rank 1 printed nothing
 
 
+@pytest.mark.distributed
 def test_chat_under_msrun_two_ranks_tp2(tmp_path):
     prompts = [p for p, _ in make_prompts(2, seed=10)]
     main_py = os.path.join(REPO, "hyper_gen", "__main__.py")
-    result = msrun([main_py, "chat", "--backend", "mindspore", "--tp", "2", "--max-new-tokens", "12"],
-                   log_dir=str(tmp_path), stdin="\n".join(prompts) + "\nexit\n", timeout=300)
+    result = msrun(
+        [main_py, "chat", "--backend", "mindspore", "--tp", "2", "--max-new-tokens", "12"],
+        log_dir=str(tmp_path),
+        stdin="\n".join(prompts) + "\nexit\n",
+        timeout=300,
+    )
     assert result.returncode == 0, result.worker_logs[-3000:]
     logs = {name: open(tmp_path / name).read() for name in os.listdir(tmp_path) if name.startswith("worker_")}
     assert "Assistant:" in logs["worker_0.log"] and "Assistant:" not in logs["worker_1.log"]
     _check_chat(logs["worker_0.log"], prompts)
 
 
+@pytest.mark.distributed
 def test_generate_tp2_under_torchrun():
     prompts = [p for p, _ in make_prompts(3, seed=12)]
     args = ["-m", "hyper_gen", "generate", "--tp", "2", "--max-new-tokens", "12"]
@@ -145,4 +187,4 @@ def test_generate_tp2_under_torchrun():
     lines = [line for line in result.stdout.splitlines() if line.startswith("rev")]
     assert len(lines) == len(prompts)  # printed once, by rank 0
     for prompt, line in zip(prompts, lines):
-        assert is_correct(prompt, line[len(prompt):])
+        assert is_correct(prompt, line[len(prompt) :])

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-
 from backend_harness import MindSporeHarness, TorchHarness
-from hyper_gen import GenerationConfig, StaticCache, DynamicCache, generate
+
+from hyper_gen import DynamicCache, GenerationConfig, StaticCache, generate
 from hyper_gen.registry import backend_for
 
 IDS = [[0, 0, 0, 11, 12, 13], [0, 21, 22, 23, 24, 25], [31, 32, 33, 34, 35, 36]]
@@ -14,10 +14,12 @@ CONFIGS = {
     "greedy": GenerationConfig(max_new_tokens=12, eos_token_id=None),
     "greedy-penalty": GenerationConfig(max_new_tokens=12, eos_token_id=None, repetition_penalty=1.3),
     "seeded-full-vocab": GenerationConfig(max_new_tokens=12, eos_token_id=None, do_sample=True, top_k=0, seed=11),
-    "seeded-topk-topp": GenerationConfig(max_new_tokens=12, eos_token_id=None, do_sample=True, top_k=20, top_p=0.8,
-                                         temperature=0.8, seed=12),
-    "seeded-minp": GenerationConfig(max_new_tokens=12, eos_token_id=None, do_sample=True, top_k=0, min_p=0.05,
-                                    top_p=0.95, seed=13),
+    "seeded-topk-topp": GenerationConfig(
+        max_new_tokens=12, eos_token_id=None, do_sample=True, top_k=20, top_p=0.8, temperature=0.8, seed=12
+    ),
+    "seeded-minp": GenerationConfig(
+        max_new_tokens=12, eos_token_id=None, do_sample=True, top_k=0, min_p=0.05, top_p=0.95, seed=13
+    ),
 }
 
 

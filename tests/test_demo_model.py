@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from demo_task import DEMO_MODEL_DIR, is_correct, make_prompts
 from transformers import AutoTokenizer
 
-from demo_task import DEMO_MODEL_DIR, is_correct, make_prompts
 from hyper_gen import GenerationConfig, generate, load_model
 
 PROMPTS = make_prompts(64, seed=2026)
@@ -13,11 +13,14 @@ PROMPTS = make_prompts(64, seed=2026)
 def accuracy(backend, batch_size):
     model = load_model(DEMO_MODEL_DIR, backend=backend)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR, padding_side="left")
-    cfg = GenerationConfig(max_new_tokens=12, eos_token_id=model.generation_defaults["eos_token_id"],
-                           pad_token_id=model.generation_defaults["pad_token_id"])
+    cfg = GenerationConfig(
+        max_new_tokens=12,
+        eos_token_id=model.generation_defaults["eos_token_id"],
+        pad_token_id=model.generation_defaults["pad_token_id"],
+    )
     correct = 0
     for start in range(0, len(PROMPTS), batch_size):
-        prompts = [p for p, _ in PROMPTS[start:start + batch_size]]
+        prompts = [p for p, _ in PROMPTS[start : start + batch_size]]
         batch = tokenizer(prompts, padding=True, return_tensors="np")
         out = generate(model, batch["input_ids"], cfg, attention_mask=batch["attention_mask"])
         out = out.asnumpy() if hasattr(out, "asnumpy") else out.numpy()

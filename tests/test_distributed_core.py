@@ -3,7 +3,6 @@
 import re
 
 import pytest
-
 from launch import msrun, script, torchrun
 
 
@@ -17,12 +16,14 @@ def _check(text):
     assert len({t for _, t in tokens}) == 1  # both ranks hold the same tokens
 
 
+@pytest.mark.distributed
 def test_torchrun_consistency_and_vocab_gather():
     result = torchrun([script("consistency.py"), "torch"], timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     _check(result.stdout)
 
 
+@pytest.mark.distributed
 def test_msrun_consistency_and_vocab_gather(tmp_path):
     result = msrun([script("consistency.py"), "mindspore"], log_dir=str(tmp_path), timeout=300)
     assert result.returncode == 0, result.worker_logs[-4000:]

@@ -22,21 +22,41 @@ def test_gen_ut_01_defaults():
     assert (cfg.eos_token_id, cfg.pad_token_id, cfg.repetition_penalty) == (2, 0, 1.0)
     assert cfg.logits_processor is None and cfg.stopping_criteria is None
     assert (cfg.min_p, cfg.min_new_tokens, cfg.seed, cfg.use_cache, cfg.cache_implementation) == (
-        0.0, 0, None, True, "static")
+        0.0,
+        0,
+        None,
+        True,
+        "static",
+    )
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", 0), ("temperature", -1.0), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
-    ("min_p", -0.1), ("min_p", 1.1), ("repetition_penalty", 0), ("max_new_tokens", 0),
-    ("min_new_tokens", -1), ("min_new_tokens", 300), ("cache_implementation", "paged"), ("eos_token_id", []),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 0),
+        ("temperature", -1.0),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", -0.1),
+        ("min_p", 1.1),
+        ("repetition_penalty", 0),
+        ("max_new_tokens", 0),
+        ("min_new_tokens", -1),
+        ("min_new_tokens", 300),
+        ("cache_implementation", "paged"),
+        ("eos_token_id", []),
+    ],
+)
 def test_gen_ut_01_invalid_values_name_field(field, value):
     with pytest.raises(ValueError, match=field):
         GenerationConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("max_new_tokens", 2.5), ("top_k", "5"), ("do_sample", "yes"),
-                                          ("logits_processor", lambda i, s: s)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("max_new_tokens", 2.5), ("top_k", "5"), ("do_sample", "yes"), ("logits_processor", lambda i, s: s)],
+)
 def test_gen_ut_01_wrong_types(field, value):
     with pytest.raises(TypeError, match=field):
         GenerationConfig(**{field: value})
@@ -77,7 +97,7 @@ def test_gen_ut_05_eos_stops_early(backend):
     out = backend.numpy(generate(model, PROMPT, greedy(max_new_tokens=10, eos_token_id=eos)))[0]
     assert len(out) == 4 + first + 1 < 14
     assert out[-1] == eos
-    np.testing.assert_array_equal(out, free[:len(out)])
+    np.testing.assert_array_equal(out, free[: len(out)])
 
 
 def test_eos_list_any_id_stops(backend):
@@ -113,8 +133,11 @@ def test_gen_ut_06_kvcache_api(backend):
 @pytest.mark.parametrize("sample", [False, True])
 def test_gen_ut_07_cache_on_off_same_tokens(backend, sample):
     model = backend.stub()
-    cfg = greedy(max_new_tokens=8) if not sample else GenerationConfig(
-        max_new_tokens=8, do_sample=True, seed=5, eos_token_id=None)
+    cfg = (
+        greedy(max_new_tokens=8)
+        if not sample
+        else GenerationConfig(max_new_tokens=8, do_sample=True, seed=5, eos_token_id=None)
+    )
     on = generate(model, PADDED_IDS, cfg, attention_mask=PADDED_MASK)
     model.forward_calls.clear()
     off = generate(model, PADDED_IDS, cfg.replace(use_cache=False), attention_mask=PADDED_MASK)
@@ -129,18 +152,29 @@ def test_model_without_cache_is_recomputed(backend):
     np.testing.assert_array_equal(backend.numpy(out), backend.numpy(ref))
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.5, top_k=0), dict(top_k=3, top_p=0.8, temperature=0.5),
-                                dict(min_p=0.2, top_k=0)])
+@pytest.mark.parametrize(
+    "kw", [dict(top_k=5), dict(top_p=0.5, top_k=0), dict(top_k=3, top_p=0.8, temperature=0.5), dict(min_p=0.2, top_k=0)]
+)
 def test_gen_ut_08_topk_topp_tokens_valid(backend, kw):
-    out = backend.numpy(generate(backend.stub(), PADDED_IDS, GenerationConfig(
-        max_new_tokens=12, do_sample=True, eos_token_id=None, seed=1, **kw), attention_mask=PADDED_MASK))
+    out = backend.numpy(
+        generate(
+            backend.stub(),
+            PADDED_IDS,
+            GenerationConfig(max_new_tokens=12, do_sample=True, eos_token_id=None, seed=1, **kw),
+            attention_mask=PADDED_MASK,
+        )
+    )
     assert out.min() >= 0 and out.max() < 64
 
 
 def test_top_k_1_sampling_equals_greedy(backend):
     model = backend.stub()
-    sampled = generate(model, PADDED_IDS, GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1, eos_token_id=None),
-                       attention_mask=PADDED_MASK)
+    sampled = generate(
+        model,
+        PADDED_IDS,
+        GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1, eos_token_id=None),
+        attention_mask=PADDED_MASK,
+    )
     argmax = generate(model, PADDED_IDS, greedy(max_new_tokens=6), attention_mask=PADDED_MASK)
     np.testing.assert_array_equal(backend.numpy(sampled), backend.numpy(argmax))
 
@@ -160,8 +194,11 @@ def test_repetition_penalty_ignores_left_padding(backend):
     free = backend.numpy(generate(model, PROMPT, greedy(max_new_tokens=1)))[0, -1]
     ids = [[int(free)] * 3 + [5, 6, 7, 8]]  # left padding made of the id greedy would pick
     mask = [[0, 0, 0, 1, 1, 1, 1]]
-    out = backend.numpy(generate(model, ids, greedy(max_new_tokens=1, repetition_penalty=50.0, pad_token_id=int(free)),
-                                 attention_mask=mask))
+    out = backend.numpy(
+        generate(
+            model, ids, greedy(max_new_tokens=1, repetition_penalty=50.0, pad_token_id=int(free)), attention_mask=mask
+        )
+    )
     assert out[0, -1] == free
 
 
@@ -197,8 +234,13 @@ def test_logits_processor_and_stopping_criteria(backend):
     def stop_after_three(input_ids, scores):
         return input_ids.shape[1] >= 4 + 3
 
-    out = backend.numpy(generate(model, PROMPT, greedy(max_new_tokens=10, logits_processor=[forbid_all_but_9],
-                                                       stopping_criteria=[stop_after_three])))
+    out = backend.numpy(
+        generate(
+            model,
+            PROMPT,
+            greedy(max_new_tokens=10, logits_processor=[forbid_all_but_9], stopping_criteria=[stop_after_three]),
+        )
+    )
     np.testing.assert_array_equal(out, [[5, 6, 7, 8, 9, 9, 9]])
     assert seen[0] == ((1, 4), (1, 64), True) and seen[1][0] == (1, 5)
 
@@ -207,8 +249,11 @@ def test_per_row_stopping_criteria(backend):
     def stop_row_0(input_ids, scores):
         return np.array([True, False])
 
-    out = backend.numpy(generate(backend.stub(), [[1, 2], [3, 4]], greedy(max_new_tokens=4, pad_token_id=63,
-                                                                          stopping_criteria=[stop_row_0])))
+    out = backend.numpy(
+        generate(
+            backend.stub(), [[1, 2], [3, 4]], greedy(max_new_tokens=4, pad_token_id=63, stopping_criteria=[stop_row_0])
+        )
+    )
     assert out.shape == (2, 6) and (out[0, 3:] == 63).all()
 
 
@@ -226,7 +271,7 @@ def test_gen_batch_02_left_padded_deterministic_and_equal_to_alone(backend):
     np.testing.assert_array_equal(a, b)
     for row, (ids, mask) in enumerate(zip(PADDED_IDS, PADDED_MASK)):
         alone = backend.numpy(generate(model, [[t for t, m in zip(ids, mask) if m]], cfg))[0]
-        np.testing.assert_array_equal(a[row, :len(alone)], alone)
+        np.testing.assert_array_equal(a[row, : len(alone)], alone)
 
 
 def test_gen_batch_03_no_mask_equals_all_ones(backend):
@@ -241,17 +286,22 @@ def test_rfc_output_format_with_early_eos(backend):
     model = backend.stub()
     free = backend.numpy(generate(model, PADDED_IDS, greedy(max_new_tokens=6), attention_mask=PADDED_MASK))
     eos = int(free[1, 4 + 1])  # row 1's second generated token
-    out = backend.numpy(generate(model, PADDED_IDS, greedy(max_new_tokens=6, eos_token_id=eos, pad_token_id=63),
-                                 attention_mask=PADDED_MASK))
+    out = backend.numpy(
+        generate(
+            model, PADDED_IDS, greedy(max_new_tokens=6, eos_token_id=eos, pad_token_id=63), attention_mask=PADDED_MASK
+        )
+    )
     for row in range(3):
         real = [t for t, m in zip(PADDED_IDS[row], PADDED_MASK[row]) if m]
-        gen = free[row, len(real):len(real) + 6].tolist()
+        gen = free[row, len(real) : len(real) + 6].tolist()
         stop = gen.index(eos) + 1 if eos in gen else 6
         expected = real + gen[:stop]
-        np.testing.assert_array_equal(out[row, :len(expected)], expected)
-        assert (out[row, len(expected):] == 63).all()
-    assert out.shape[1] == max(len([m for m in mask if m]) + min(6, 1 + (free[r, sum(mask):].tolist() + [eos]).index(eos))
-                               for r, mask in enumerate(PADDED_MASK))
+        np.testing.assert_array_equal(out[row, : len(expected)], expected)
+        assert (out[row, len(expected) :] == 63).all()
+    assert out.shape[1] == max(
+        len([m for m in mask if m]) + min(6, 1 + (free[r, sum(mask) :].tolist() + [eos]).index(eos))
+        for r, mask in enumerate(PADDED_MASK)
+    )
 
 
 def test_keyword_overrides_and_mixin(backend):
@@ -264,8 +314,12 @@ def test_keyword_overrides_and_mixin(backend):
 
 
 def test_float64_stub_matches_float32_tokens(backend):
-    a = backend.numpy(generate(backend.stub("float64"), PADDED_IDS, greedy(max_new_tokens=6), attention_mask=PADDED_MASK))
-    b = backend.numpy(generate(backend.stub("float32"), PADDED_IDS, greedy(max_new_tokens=6), attention_mask=PADDED_MASK))
+    a = backend.numpy(
+        generate(backend.stub("float64"), PADDED_IDS, greedy(max_new_tokens=6), attention_mask=PADDED_MASK)
+    )
+    b = backend.numpy(
+        generate(backend.stub("float32"), PADDED_IDS, greedy(max_new_tokens=6), attention_mask=PADDED_MASK)
+    )
     np.testing.assert_array_equal(a, b)
 
 
@@ -279,8 +333,16 @@ def test_streaming_callbacks(backend):
         def end(self):
             puts.append("end")
 
-    out = backend.numpy(generate(backend.stub(), PADDED_IDS, greedy(max_new_tokens=3), attention_mask=PADDED_MASK,
-                                 streamer=Recorder(), on_tokens=lambda s, t, f: steps.append((s, t.tolist(), f.tolist()))))
+    out = backend.numpy(
+        generate(
+            backend.stub(),
+            PADDED_IDS,
+            greedy(max_new_tokens=3),
+            attention_mask=PADDED_MASK,
+            streamer=Recorder(),
+            on_tokens=lambda s, t, f: steps.append((s, t.tolist(), f.tolist())),
+        )
+    )
     assert puts[0] == PADDED_IDS and puts[-1] == "end" and len(puts) == 5
     assert [s for s, _, _ in steps] == [0, 1, 2]
     lengths = [sum(m) for m in PADDED_MASK]
@@ -288,16 +350,19 @@ def test_streaming_callbacks(backend):
 
 
 # ---- bad input ---------------------------------------------------------------------------
-@pytest.mark.parametrize("ids, mask, match", [
-    ([[1, 2, 3]], [[1, 1]], "attention_mask shape"),
-    ([[1, 2, 3]], [[1, 0, 1]], "right-padded"),
-    ([[1, 2, 3], [4, 5, 6]], [[1, 1, 1], [0, 0, 0]], "row 1 has no real token"),
-    ([1, 2, 3], None, "2-D"),
-    ([[1.5, 2.0]], None, "integers"),
-    ([[1, 2], [3]], None, "rectangular"),
-    ([[1, -2]], None, "non-negative"),
-    ([[1, 2]], [[1, 2]], "only 0"),
-])
+@pytest.mark.parametrize(
+    "ids, mask, match",
+    [
+        ([[1, 2, 3]], [[1, 1]], "attention_mask shape"),
+        ([[1, 2, 3]], [[1, 0, 1]], "right-padded"),
+        ([[1, 2, 3], [4, 5, 6]], [[1, 1, 1], [0, 0, 0]], "row 1 has no real token"),
+        ([1, 2, 3], None, "2-D"),
+        ([[1.5, 2.0]], None, "integers"),
+        ([[1, 2], [3]], None, "rectangular"),
+        ([[1, -2]], None, "non-negative"),
+        ([[1, 2]], [[1, 2]], "only 0"),
+    ],
+)
 def test_bad_inputs_raise_value_error(backend, ids, mask, match):
     with pytest.raises(ValueError, match=match):
         generate(backend.stub(), ids, greedy(max_new_tokens=2), attention_mask=mask)

@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from hyper_gen import GenerationConfig, generate
 
@@ -23,9 +29,18 @@ def _build(kind):
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, num_hidden_layers=2, **COMMON)).eval()
     if kind == "qwen3_5":
-        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=128, num_hidden_layers=4, **COMMON, **LINEAR)).eval()
-    cfg = Qwen3_5MoeTextConfig(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=48, **COMMON, **LINEAR)
+        return Qwen3_5ForCausalLM(
+            Qwen3_5TextConfig(intermediate_size=128, num_hidden_layers=4, **COMMON, **LINEAR)
+        ).eval()
+    cfg = Qwen3_5MoeTextConfig(
+        num_hidden_layers=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        **COMMON,
+        **LINEAR,
+    )
     return Qwen3_5MoeForCausalLM(cfg).eval()
 
 
@@ -50,7 +65,7 @@ def padded_batch():
 
 def hf_rows(out, mask):
     """HF's left-padded output without its padding, per row."""
-    return [out[i, int((mask[i] == 0).sum()):].tolist() for i in range(out.shape[0])]
+    return [out[i, int((mask[i] == 0).sum()) :].tolist() for i in range(out.shape[0])]
 
 
 SETTINGS = [
@@ -73,31 +88,43 @@ def test_tokens_equal_hf_generate(kind, setting):
     torch.manual_seed(7)
     ours = generate(m, ids, GenerationConfig(max_new_tokens=10, eos_token_id=None, **setting), attention_mask=mask)
     assert isinstance(ours, torch.Tensor) and ours.dtype == torch.int64
-    assert [row[:len(ref)] for row, ref in zip(ours.tolist(), hf_rows(hf, mask))] == hf_rows(hf, mask)
+    assert [row[: len(ref)] for row, ref in zip(ours.tolist(), hf_rows(hf, mask))] == hf_rows(hf, mask)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_eos_and_min_new_tokens_match_hf(kind):
     m = model(kind)
     ids, mask = padded_batch()
-    free = hf_rows(m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                              eos_token_id=None), mask)
+    free = hf_rows(
+        m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None), mask
+    )
     eos = free[1][12 + 2]
     for min_new in (0, 4):
-        hf = m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1, eos_token_id=eos,
-                        min_new_tokens=min_new)
-        ours = generate(m, ids, GenerationConfig(max_new_tokens=8, eos_token_id=eos, pad_token_id=1,
-                                                 min_new_tokens=min_new), attention_mask=mask)
+        hf = m.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=1,
+            eos_token_id=eos,
+            min_new_tokens=min_new,
+        )
+        ours = generate(
+            m,
+            ids,
+            GenerationConfig(max_new_tokens=8, eos_token_id=eos, pad_token_id=1, min_new_tokens=min_new),
+            attention_mask=mask,
+        )
         expected = [trim_after_eos(row, len(row) - 8, eos) for row in hf_rows(hf, mask)]
         assert any(len(r) < len(ids[0]) + 8 for r in expected)  # some row really stopped early
         assert ours.shape[1] == max(len(r) for r in expected)
-        assert [row[:len(ref)] for row, ref in zip(ours.tolist(), expected)] == expected
-        assert all(set(row[len(ref):]) <= {1} for row, ref in zip(ours.tolist(), expected))
+        assert [row[: len(ref)] for row, ref in zip(ours.tolist(), expected)] == expected
+        assert all(set(row[len(ref) :]) <= {1} for row, ref in zip(ours.tolist(), expected))
 
 
 def trim_after_eos(row, prompt_len, eos):
     generated = row[prompt_len:]
-    return row[:prompt_len + generated.index(eos) + 1] if eos in generated else row
+    return row[: prompt_len + generated.index(eos) + 1] if eos in generated else row
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
@@ -114,9 +141,10 @@ def test_padded_row_equals_prompt_alone():
     ids, mask = padded_batch()
     batch = generate(m, ids, GenerationConfig(max_new_tokens=8, eos_token_id=None), attention_mask=mask)
     for row in range(3):
-        alone = generate(m, ids[row:row + 1, int((mask[row] == 0).sum()):], GenerationConfig(max_new_tokens=8,
-                                                                                              eos_token_id=None))
-        assert batch[row, :alone.shape[1]].tolist() == alone[0].tolist()
+        alone = generate(
+            m, ids[row : row + 1, int((mask[row] == 0).sum()) :], GenerationConfig(max_new_tokens=8, eos_token_id=None)
+        )
+        assert batch[row, : alone.shape[1]].tolist() == alone[0].tolist()
 
 
 def test_no_grad_during_generation():

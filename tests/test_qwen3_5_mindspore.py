@@ -20,6 +20,8 @@ import mindspore as ms
 import numpy as np
 import pytest
 import torch
+from error_log import ErrorLog
+from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, load_hf, make_checkpoint
 
 from hyper_gen.backends.mindspore import configure
 from hyper_gen.backends.mindspore.models import qwen3_5 as native
@@ -28,8 +30,6 @@ from hyper_gen.cache import DynamicCache, StaticCache
 from hyper_gen.models.checkpoint import Checkpoint
 from hyper_gen.models.loading import load_model
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
-from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, load_hf, make_checkpoint
-from error_log import ErrorLog
 
 configure("CPU")
 
@@ -71,6 +71,7 @@ _record = ERRORS.record
 
 
 # ------------------------------------------------------------------------------ HF reference
+
 
 class _Float64Torch:
     """``torch`` as HF's Qwen3.5 modules see it inside :func:`hf_in_float64`: float32 is float64."""
@@ -114,7 +115,7 @@ def _hf_reference(path, dtype):
 def run_hf(hf_model, prompt, decode_tokens):
     """HF's own cached run on one unpadded prompt: [prefill (L, V)] + one (V,) per decode token."""
     float64 = next(hf_model.parameters()).dtype == torch.float64
-    with (hf_in_float64() if float64 else contextlib.nullcontext()), torch.no_grad():
+    with hf_in_float64() if float64 else contextlib.nullcontext(), torch.no_grad():
         out = hf_model(torch.tensor([list(prompt)]), use_cache=True)
         logits = [out.logits[0].float().numpy() if not float64 else out.logits[0].numpy()]
         for token in decode_tokens:
@@ -124,6 +125,7 @@ def run_hf(hf_model, prompt, decode_tokens):
 
 
 # ------------------------------------------------------------------- driving the native model
+
 
 def contract_mask(pads, past, seq, total, dtype):
     """(B, 1, seq, total): column j visible to the query at cache position past + i iff
@@ -155,16 +157,23 @@ def run_native(model, prompts, decode_tokens, cache_kind, extra_length=2):
     def total(seq):
         return cache.max_length if cache_kind == "static" else cache.seq_length + seq
 
-    out = model(ms.Tensor(ids), position_ids=ms.Tensor(positions),
-                attention_mask=contract_mask(pads, 0, width, total(width), dtype), past_key_values=cache)
+    out = model(
+        ms.Tensor(ids),
+        position_ids=ms.Tensor(positions),
+        attention_mask=contract_mask(pads, 0, width, total(width), dtype),
+        past_key_values=cache,
+    )
     cache.advance(width)
     logits = out["logits"].asnumpy()
     rows = [[logits[row, pad:]] for row, pad in enumerate(pads)]
     for step in range(steps):
-        out = model(ms.Tensor(np.array([[d[step]] for d in decode_tokens], np.int64)),
-                    position_ids=ms.Tensor(np.array([[len(p) + step] for p in prompts], np.int64)),
-                    attention_mask=contract_mask(pads, cache.seq_length, 1, total(1), dtype),
-                    past_key_values=cache, logits_to_keep=1)
+        out = model(
+            ms.Tensor(np.array([[d[step]] for d in decode_tokens], np.int64)),
+            position_ids=ms.Tensor(np.array([[len(p) + step] for p in prompts], np.int64)),
+            attention_mask=contract_mask(pads, cache.seq_length, 1, total(1), dtype),
+            past_key_values=cache,
+            logits_to_keep=1,
+        )
         cache.advance(1)
         for row in range(batch):
             rows[row].append(out["logits"].asnumpy()[row, 0])
@@ -172,14 +181,19 @@ def run_native(model, prompts, decode_tokens, cache_kind, extra_length=2):
 
 
 def max_error(ours, reference):
-    return max(float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
-               for ours_row, ref_row in zip(ours, reference) for a, b in zip(ours_row, ref_row))
+    return max(
+        float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+        for ours_row, ref_row in zip(ours, reference)
+        for a, b in zip(ours_row, ref_row)
+    )
 
 
 def _prompts(seed, lengths):
     rng = np.random.default_rng(seed)
-    return ([rng.integers(1, VOCAB, n).tolist() for n in lengths],
-            [rng.integers(1, VOCAB, DECODE_STEPS).tolist() for _ in lengths])
+    return (
+        [rng.integers(1, VOCAB, n).tolist() for n in lengths],
+        [rng.integers(1, VOCAB, DECODE_STEPS).tolist() for _ in lengths],
+    )
 
 
 def _compare(models, variant, dtype, lengths, seed, cache_kind="static"):
@@ -190,6 +204,7 @@ def _compare(models, variant, dtype, lengths, seed, cache_kind="static"):
 
 
 # ------------------------------------------------------------------------------ parity tests
+
 
 @pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -215,7 +230,8 @@ def test_lm_head_in_column_blocks(path, monkeypatch, variant):
     monkeypatch.setattr(native, "_block_width", lambda columns, most: 20)
     model = native.load(Checkpoint(path(variant)), "float64")
     assert [tuple(p.shape) for p in model.lm_head] == [(TINY_TEXT_CONFIG["hidden_size"], 20)] * 4 + [
-        (TINY_TEXT_CONFIG["hidden_size"], VOCAB - 80)]
+        (TINY_TEXT_CONFIG["hidden_size"], VOCAB - 80)
+    ]
     prompts, decode = _prompts(8, (9, 6, 4))
     ours = run_native(model, prompts, decode, "static")
     reference = [run_hf(_hf_reference(path(variant), "float64"), p, d) for p, d in zip(prompts, decode)]
@@ -232,8 +248,7 @@ def test_lm_head_block_width():
 
 @pytest.mark.parametrize("length", [1, 2])
 def test_prompts_shorter_than_the_conv_kernel(models, length):
-    _record("dense/float64/short-prompt", _compare(models, "dense", "float64", (length,), seed=3),
-            TOLERANCE["float64"])
+    _record("dense/float64/short-prompt", _compare(models, "dense", "float64", (length,), seed=3), TOLERANCE["float64"])
 
 
 def test_chunked_prefill_continues_the_cached_state(models):
@@ -245,8 +260,11 @@ def test_chunked_prefill_continues_the_cached_state(models):
     cache.advance(50)
     second = model(ms.Tensor(ids[:, 50:]), past_key_values=cache)["logits"].asnumpy()
     reference = run_hf(hf_model, ids[0], [])[0]
-    _record("dense/float64/chunked-prefill", float(np.abs(np.concatenate([first, second], 1)[0] - reference).max()),
-            TOLERANCE["float64"])
+    _record(
+        "dense/float64/chunked-prefill",
+        float(np.abs(np.concatenate([first, second], 1)[0] - reference).max()),
+        TOLERANCE["float64"],
+    )
 
 
 def test_cacheless_forward_and_logits_to_keep(models):
@@ -268,7 +286,7 @@ def test_float16_is_as_close_to_float32_as_hf(models):
     ours = run_native(model, prompts, decode, "static")
     theirs = [run_hf(hf_model, p, d) for p, d in zip(prompts, decode)]
     truth = [run_hf(hf32, p, d) for p, d in zip(prompts, decode)]
-    assert all(l.dtype == np.float16 and np.isfinite(l).all() for row in ours for l in row)
+    assert all(step.dtype == np.float16 and np.isfinite(step).all() for row in ours for step in row)
     _record("moe/float16-vs-hf-float32", max_error(ours, truth), 2 * max_error(theirs, truth) + 1e-2)
 
 
@@ -282,6 +300,7 @@ def test_bfloat16_checkpoint_loads_as_float32(checkpoint_dir):
 
 # ------------------------------------------------------------------------ contract attributes
 
+
 def test_model_attributes(models, path):
     model, _ = models("moe", "float16")
     assert model.supports_cache_object is True and isinstance(model, ms.nn.Cell)
@@ -290,7 +309,12 @@ def test_model_attributes(models, path):
     assert model.dtype == ms.float16 and MindSporeOps().param_dtype(model) == "float16"
     assert all(p.dtype == ms.float16 and not p.requires_grad for p in model.get_parameters())
     assert list(inspect.signature(model.construct).parameters) == [
-        "input_ids", "position_ids", "attention_mask", "past_key_values", "logits_to_keep"]
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        "past_key_values",
+        "logits_to_keep",
+    ]
     loaded = load_model(path("dense"), backend="mindspore", dtype="float32")
     assert isinstance(loaded, native.Qwen3_5ForCausalLM)
     assert loaded.generation_defaults == {"eos_token_id": [5, 7], "pad_token_id": 0}
@@ -302,12 +326,18 @@ def test_linear_attention_state_layout(models, dtype):
     config = model.config
     cache = StaticCache(MindSporeOps(), 2, 8)
     model(ms.Tensor(np.ones((2, 5), np.int64)), past_key_values=cache)
-    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
-        config.linear_num_value_heads * config.linear_value_head_dim
+    conv_dim = (
+        2 * config.linear_num_key_heads * config.linear_key_head_dim
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    )
     assert sorted(cache.recurrent_states) == [0, 2] and sorted(cache.keys) == [1, 3]
     assert cache.conv_states[0].shape == (2, conv_dim, config.linear_conv_kernel_dim - 1)
     assert cache.recurrent_states[0].shape == (
-        2, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        2,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+    )
     assert cache.recurrent_states[0].dtype == getattr(ms, dtype)  # float32, or float64 in a float64 model
     assert cache.keys[1].shape == (2, config.num_key_value_heads, 8, config.head_dim)
 
@@ -322,6 +352,6 @@ def test_bad_dtypes_are_rejected(path):
 def test_bfloat16_rounding_matches_torch():
     """Weights HF upcasts are first rounded to the model dtype; bf16 (Ascend) has no numpy type."""
     values = np.random.default_rng(8).standard_normal(1000).astype(np.float32) * 100
-    values[:4] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 0.0]  # ties round to even
+    values[:4] = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.0]  # ties round to even
     expected = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(native._round_to(values, "bfloat16"), expected)

@@ -16,14 +16,14 @@ import sys
 
 import pytest
 import torch
+from error_log import ErrorLog
+from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, load_hf, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from hyper_gen.backends.torch.ops import TorchOps
 from hyper_gen.cache import DynamicCache, StaticCache
 from hyper_gen.models.loading import load_model
 from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config
-from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, load_hf, make_checkpoint
-from error_log import ErrorLog
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 VOCAB = TINY_TEXT_CONFIG["vocab_size"]
@@ -65,6 +65,7 @@ _record = ERRORS.record
 
 # ------------------------------------------------------------------------- contract drivers
 
+
 def contract_mask(prompt_mask, past, seq, total, dtype):
     """(B, 1, seq, total) additive mask: causal + padding columns + unwritten static columns."""
     batch, prompt_len = prompt_mask.shape
@@ -93,13 +94,19 @@ def run_native(model, input_ids, prompt_mask, decode_ids, cache_kind):
     outputs = []
     with torch.no_grad():
         mask = contract_mask(prompt_mask, 0, prompt_len, total(prompt_len), dtype)
-        outputs.append(model(input_ids, position_ids=positions, attention_mask=mask,
-                             past_key_values=cache)["logits"])
+        outputs.append(model(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache)["logits"])
         cache.advance(prompt_len)
         for step in range(decode_ids.shape[1]):
             mask = contract_mask(prompt_mask, cache.seq_length, 1, total(1), dtype)
-            outputs.append(model(decode_ids[:, step:step + 1], position_ids=(lengths + step)[:, None],
-                                 attention_mask=mask, past_key_values=cache, logits_to_keep=1)["logits"])
+            outputs.append(
+                model(
+                    decode_ids[:, step : step + 1],
+                    position_ids=(lengths + step)[:, None],
+                    attention_mask=mask,
+                    past_key_values=cache,
+                    logits_to_keep=1,
+                )["logits"]
+            )
             cache.advance(1)
     return outputs
 
@@ -117,7 +124,7 @@ def run_hf(hf_model, input_ids, decode_ids, attention_mask=None, position_ids=No
                 attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], 1)
                 kwargs["attention_mask"] = attention_mask
                 kwargs["position_ids"] = position_ids[:, -1:] + 1 + step
-            out = hf_model(decode_ids[:, step:step + 1], past_key_values=cache, use_cache=True, **kwargs)
+            out = hf_model(decode_ids[:, step : step + 1], past_key_values=cache, use_cache=True, **kwargs)
             outputs.append(out.logits)
             cache = out.past_key_values
     return outputs
@@ -128,6 +135,7 @@ def max_error(ours, reference):
 
 
 # -------------------------------------------------------------------------------- parity tests
+
 
 @pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -149,8 +157,8 @@ def _padded_batch(lengths, generator):
     input_ids = torch.zeros(len(lengths), width, dtype=torch.long)  # pad id 0
     prompt_mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = prompt
-        prompt_mask[row, width - len(prompt):] = 1
+        input_ids[row, width - len(prompt) :] = prompt
+        prompt_mask[row, width - len(prompt) :] = 1
     return prompts, input_ids, prompt_mask
 
 
@@ -165,8 +173,8 @@ def test_left_padded_rows_match_hf_on_each_prompt_alone(models, variant, cache_k
     decode_ids = torch.randint(0, VOCAB, (2, DECODE_STEPS), generator=generator)
     ours = run_native(model, input_ids, prompt_mask, decode_ids, cache_kind)
     for row, prompt in enumerate(prompts):
-        reference = run_hf(hf_model, prompt[None], decode_ids[row:row + 1])
-        mine = [ours[0][row:row + 1, -len(prompt):]] + [step[row:row + 1] for step in ours[1:]]
+        reference = run_hf(hf_model, prompt[None], decode_ids[row : row + 1])
+        mine = [ours[0][row : row + 1, -len(prompt) :]] + [step[row : row + 1] for step in ours[1:]]
         _record(f"{variant}/float32/padded-row-vs-alone", max_error(mine, reference), TOLERANCE["float32"])
 
 
@@ -194,8 +202,9 @@ def test_prompts_shorter_than_the_conv_kernel(models, length):
     input_ids = torch.randint(0, VOCAB, (1, length), generator=generator)
     decode_ids = torch.randint(0, VOCAB, (1, DECODE_STEPS), generator=generator)
     ours = run_native(model, input_ids, torch.ones_like(input_ids), decode_ids, "static")
-    _record("dense/float64/short-prompt", max_error(ours, run_hf(hf_model, input_ids, decode_ids)),
-            TOLERANCE["float64"])
+    _record(
+        "dense/float64/short-prompt", max_error(ours, run_hf(hf_model, input_ids, decode_ids)), TOLERANCE["float64"]
+    )
 
 
 def test_fused_and_per_expert_layouts_load_the_same_weights(models):
@@ -215,7 +224,6 @@ def test_tied_embeddings_share_one_matrix(models):
     assert multimodal.lm_head is None
 
 
-
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_matrices_are_stored_in_out(models, checkpoint_dir, dtype):
     """Every matmul is ``x @ w`` with w (in, out): (in, out)-contiguous (the fast batch-1 decode
@@ -227,8 +235,10 @@ def test_matrices_are_stored_in_out(models, checkpoint_dir, dtype):
     hid, vocab = config.hidden_size, VOCAB
     attention, deltanet, moe = model.layers[1].mixer, model.layers[0].mixer, model.layers[0].mlp
     shapes = {
-        attention.qkv_proj: (hid, 2 * config.num_attention_heads * config.head_dim
-                             + 2 * config.num_key_value_heads * config.head_dim),
+        attention.qkv_proj: (
+            hid,
+            2 * config.num_attention_heads * config.head_dim + 2 * config.num_key_value_heads * config.head_dim,
+        ),
         attention.o_proj: (config.num_attention_heads * config.head_dim, hid),
         deltanet.in_proj: (hid, deltanet.conv_dim + deltanet.value_dim),
         deltanet.out_proj: (deltanet.value_dim, hid),
@@ -254,6 +264,7 @@ def test_matrices_are_stored_in_out(models, checkpoint_dir, dtype):
     assert torch.equal(tied.embed_tokens.t(), rows)  # the head's matrix is the checkpoint's embedding
     embedded = tied._embed(ids)
     assert embedded.is_contiguous() and torch.equal(embedded, rows[ids])  # contiguous: norms sum as HF's
+
 
 def test_cacheless_forward_and_logits_to_keep(models):
     model, hf_model = models("moe", "float32")
@@ -294,9 +305,9 @@ def test_half_precision_padded_batch_is_as_close_to_float32_as_hf(models, dtype)
     decode_ids = torch.randint(0, VOCAB, (2, 2), generator=generator)
     ours = run_native(model, input_ids, prompt_mask, decode_ids, "static")
     for row, prompt in enumerate(prompts):
-        truth = run_hf(hf32, prompt[None], decode_ids[row:row + 1])
-        theirs = run_hf(hf_model, prompt[None], decode_ids[row:row + 1])
-        mine = [ours[0][row:row + 1, -len(prompt):]] + [step[row:row + 1] for step in ours[1:]]
+        truth = run_hf(hf32, prompt[None], decode_ids[row : row + 1])
+        theirs = run_hf(hf_model, prompt[None], decode_ids[row : row + 1])
+        mine = [ours[0][row : row + 1, -len(prompt) :]] + [step[row : row + 1] for step in ours[1:]]
         assert all(bool(torch.isfinite(step).all()) for step in mine)
         error, hf_error = max_error(mine, truth), max_error(theirs, truth)
         MAX_ERRORS[f"moe/{dtype}/padded-vs-hf-float32 (hf {hf_error:.1e})"] = error
@@ -314,6 +325,7 @@ def test_bfloat16_checkpoint_loads_as_float32(checkpoint_dir):
 
 # ------------------------------------------------------------------------ contract attributes
 
+
 def test_model_attributes(models):
     model, _ = models("moe", "float32")
     assert model.supports_cache_object is True
@@ -324,7 +336,12 @@ def test_model_attributes(models):
     import inspect
 
     assert list(inspect.signature(model.forward).parameters) == [
-        "input_ids", "position_ids", "attention_mask", "past_key_values", "logits_to_keep"]
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        "past_key_values",
+        "logits_to_keep",
+    ]
 
 
 def test_linear_attention_state_layout(models):
@@ -333,12 +350,18 @@ def test_linear_attention_state_layout(models):
     with torch.no_grad():
         model(torch.ones(2, 5, dtype=torch.long), past_key_values=cache)
     config = model.config
-    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
-        config.linear_num_value_heads * config.linear_value_head_dim
+    conv_dim = (
+        2 * config.linear_num_key_heads * config.linear_key_head_dim
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    )
     assert sorted(cache.recurrent_states) == [0, 2] and sorted(cache.keys) == [1, 3]
     assert cache.conv_states[0].shape == (2, conv_dim, config.linear_conv_kernel_dim - 1)
     assert cache.recurrent_states[0].shape == (
-        2, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        2,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+    )
     assert cache.recurrent_states[0].dtype == torch.float32
     assert cache.keys[1].shape == (2, config.num_key_value_heads, 8, config.head_dim)
 
@@ -349,6 +372,7 @@ def test_loading_imports_no_framework():
 
 
 # ------------------------------------------------------------------------------ load errors
+
 
 def _copy(path, tmp_path, name):
     target = os.path.join(tmp_path, name)

@@ -6,8 +6,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hyper_gen import GenerationConfig
 from hyper_gen.noise import _softmax, sample_candidates, uniform_noise
@@ -27,8 +32,16 @@ def hf_kept(scores, cfg):
     return [set(np.flatnonzero(np.isfinite(row.numpy())).tolist()) for row in out]
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_k=0, top_p=0.7), dict(top_k=10, top_p=0.5, temperature=0.6),
-                                dict(top_k=0, min_p=0.1), dict(top_k=0, top_p=0.9, min_p=0.2, temperature=1.7)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=5),
+        dict(top_k=0, top_p=0.7),
+        dict(top_k=10, top_p=0.5, temperature=0.6),
+        dict(top_k=0, min_p=0.1),
+        dict(top_k=0, top_p=0.9, min_p=0.2, temperature=1.7),
+    ],
+)
 def test_candidates_kept_like_hf(kw):
     rng = np.random.default_rng(0)
     scores = rng.normal(0, 2, (6, 50))

@@ -30,7 +30,7 @@ def test_multibyte_character_is_held_back_until_complete():
     for token in ids:
         before = out.getvalue()
         streamer.put(np.array([token]))
-        pieces.append(out.getvalue()[len(before):])
+        pieces.append(out.getvalue()[len(before) :])
     streamer.end()
     assert pieces == ["a", "", "é", "", "", "中"]
     assert out.getvalue() == "aé中\n"
@@ -45,8 +45,14 @@ def test_text_streamer_stream_equals_output(backend):
     tok = byte_tokenizer()
     out = io.StringIO()
     model = backend.stub()
-    result = backend.numpy(generate(model, [[5, 6, 7]], GenerationConfig(max_new_tokens=12, eos_token_id=None),
-                                    streamer=TextStreamer(tok, skip_prompt=True, file=out)))
+    result = backend.numpy(
+        generate(
+            model,
+            [[5, 6, 7]],
+            GenerationConfig(max_new_tokens=12, eos_token_id=None),
+            streamer=TextStreamer(tok, skip_prompt=True, file=out),
+        )
+    )
     assert out.getvalue() == tok.decode(result[0, 3:].tolist()) + "\n"
 
 
@@ -63,9 +69,16 @@ def test_iterator_streamer_in_thread(backend):
 
 
 def test_hf_text_streamer_works_on_every_backend(backend, capsys):
-    from transformers import PreTrainedTokenizerFast, TextStreamer as HFTextStreamer
+    from transformers import PreTrainedTokenizerFast
+    from transformers import TextStreamer as HFTextStreamer
 
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer())
-    result = backend.numpy(generate(backend.stub(), [[5, 6, 7]], GenerationConfig(max_new_tokens=8, eos_token_id=None),
-                                    streamer=HFTextStreamer(hf_tok, skip_prompt=True)))
+    result = backend.numpy(
+        generate(
+            backend.stub(),
+            [[5, 6, 7]],
+            GenerationConfig(max_new_tokens=8, eos_token_id=None),
+            streamer=HFTextStreamer(hf_tok, skip_prompt=True),
+        )
+    )
     assert capsys.readouterr().out == hf_tok.decode(result[0, 3:].tolist()) + "\n"

@@ -17,7 +17,6 @@ import os
 import shutil
 
 import pytest
-
 from launch import msrun, script
 from qwen_checkpoints import TINY_TEXT_CONFIG, make_checkpoint
 
@@ -39,7 +38,7 @@ def _one_kv_head(source, target):
     tensors = load_file(os.path.join(source, "model.safetensors"))
     for name, tensor in tensors.items():
         if name.endswith(("k_proj.weight", "v_proj.weight")):
-            tensors[name] = tensor[:config["head_dim"]].copy()
+            tensors[name] = tensor[: config["head_dim"]].copy()
     save_file(tensors, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(os.path.join(source, "generation_config.json"), target)
     return target
@@ -50,10 +49,16 @@ def report(tmp_path_factory):
     """(kind, check) -> {rank: reported values}, from one 2-worker msrun job."""
     root = tmp_path_factory.mktemp("tp_mindspore")
     dense = make_checkpoint(root, "dense", tie_word_embeddings=True)
-    paths = {"dense": dense, "moe": make_checkpoint(root, "moe", fused_experts=True),
-             "one_kv_head": _one_kv_head(dense, os.path.join(root, "dense-one-kv-head"))}
-    result = msrun([script("tp_mindspore.py")] + [f"{kind}={path}" for kind, path in paths.items()],
-                   log_dir=str(root / "logs"), timeout=600)
+    paths = {
+        "dense": dense,
+        "moe": make_checkpoint(root, "moe", fused_experts=True),
+        "one_kv_head": _one_kv_head(dense, os.path.join(root, "dense-one-kv-head")),
+    }
+    result = msrun(
+        [script("tp_mindspore.py")] + [f"{kind}={path}" for kind, path in paths.items()],
+        log_dir=str(root / "logs"),
+        timeout=600,
+    )
     assert result.returncode == 0, result.worker_logs[-6000:]
     rows = {}
     for line in result.worker_logs.splitlines():
@@ -71,25 +76,32 @@ def _both(report, kind, check):
     return ranks[0], ranks[1]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_float64_logits_match_single_device(report, kind):
     """Prefill of a left-padded batch (a 70-token prompt: two delta-rule chunks) + 3 decode steps."""
     for rank, item in enumerate(_both(report, kind, "logits-float64")):
-        print(f"{kind} rank {rank}: float64 max |TP - single| = {item['max_abs_diff']:.3e} "
-              f"(max |logit| {item['max_abs_logit']:.2f})")
+        print(
+            f"{kind} rank {rank}: float64 max |TP - single| = {item['max_abs_diff']:.3e} "
+            f"(max |logit| {item['max_abs_logit']:.2f})"
+        )
         assert item["max_abs_diff"] <= 1e-9, item
         assert item["shard_width"] == item["expected_width"] == 49  # padded vocab 98 / 2
         assert item["padding_zero"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", FULL_KINDS)
 def test_float32_logits_close_to_single_device(report, kind):
     for rank, item in enumerate(_both(report, kind, "logits-float32")):
-        print(f"{kind} rank {rank}: float32 max |TP - single| = {item['max_abs_diff']:.3e} "
-              f"(max |logit| {item['max_abs_logit']:.2f})")
+        print(
+            f"{kind} rank {rank}: float32 max |TP - single| = {item['max_abs_diff']:.3e} "
+            f"(max |logit| {item['max_abs_logit']:.2f})"
+        )
         assert item["max_abs_diff"] <= 1e-4 * max(1.0, item["max_abs_logit"]), item
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_generate_gives_the_single_device_tokens(report, kind):
     """generate() on the TP model (vocab-sharded logits gathered and trimmed) vs the whole model:
@@ -98,7 +110,9 @@ def test_generate_gives_the_single_device_tokens(report, kind):
     checks = [check for (k, check) in report if k == kind and check.startswith("generate-")]
     expected = {"generate-greedy-float64"} | (
         {"generate-seeded-float64", "generate-greedy-float32", "generate-seeded-float32"}
-        if kind in FULL_KINDS else set())
+        if kind in FULL_KINDS
+        else set()
+    )
     assert set(checks) == expected
     for check in checks:
         for item in _both(report, kind, check):
@@ -107,6 +121,7 @@ def test_generate_gives_the_single_device_tokens(report, kind):
             assert check.endswith("float32") and item["tie_gap"] < 1e-4, (check, item)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_both_ranks_return_identical_outputs(report, kind):
     for k, check in report:
@@ -116,6 +131,7 @@ def test_both_ranks_return_identical_outputs(report, kind):
             assert len(first["tokens"]) == 3 and len(first["tokens"][0]) == 70 + 8
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_rank_reads_only_its_slices(report, kind):
     """No split weight is read whole; the ranks' slices add up to the whole split weights once."""
@@ -133,6 +149,7 @@ def test_each_rank_reads_only_its_slices(report, kind):
         assert first["split_elements"] + second["split_elements"] == first["total_split_elements"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", FULL_KINDS)
 def test_bad_plans_fail_before_any_weight_is_read(report, kind):
     for item in _both(report, kind, "tp3"):
@@ -142,13 +159,23 @@ def test_bad_plans_fail_before_any_weight_is_read(report, kind):
         assert item["reads"] == 0
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_model_declares_its_split(report, kind):
     for rank, item in enumerate(_both(report, kind, "attributes")):
-        assert item == {"kind": kind, "check": "attributes", "parallel_group": None, "has_group": True,
-                        "vocab_parallel": True, "vocab_size": VOCAB, "plan": [2, rank], "single_parallel": False}
+        assert item == {
+            "kind": kind,
+            "check": "attributes",
+            "parallel_group": None,
+            "has_group": True,
+            "vocab_parallel": True,
+            "vocab_size": VOCAB,
+            "plan": [2, rank],
+            "single_parallel": False,
+        }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", FULL_KINDS)
 def test_collective_volume(report, kind):
     """Per forward: one all-reduce per mixer, one per MLP, one for the embedding; float32 uses
@@ -156,8 +183,10 @@ def test_collective_volume(report, kind):
     layers, hidden, batch = TINY_TEXT_CONFIG["num_hidden_layers"], TINY_TEXT_CONFIG["hidden_size"], 3
     per_forward = 2 * layers + 1
     for item in _both(report, kind, "decode-step-bytes"):
-        assert item["collectives"] == {"all_reduce": [per_forward, per_forward * batch * hidden * 4],
-                                       "all_gather": [0, 0]}
+        assert item["collectives"] == {
+            "all_reduce": [per_forward, per_forward * batch * hidden * 4],
+            "all_gather": [0, 0],
+        }
     for dtype, collective in (("float32", "all_reduce"), ("float64", "all_gather")):
         for item in _both(report, kind, f"logits-{dtype}"):
             assert item["collectives"][collective][0] == per_forward * item["forwards"]

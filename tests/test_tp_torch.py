@@ -8,14 +8,14 @@ any process group or weight is touched, and the collective-traffic formula.
 import re
 
 import pytest
+from launch import script, torchrun
+from qwen_checkpoints import make_checkpoint
 
 from hyper_gen.models.checkpoint import Checkpoint
 from hyper_gen.models.loading import load_model
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
-from hyper_gen.parallel.tp_plan import TPPlan
 from hyper_gen.models.qwen3_5.tp_traffic import collective_bytes_per_decode_step, decode_step_collectives
-from launch import script, torchrun
-from qwen_checkpoints import make_checkpoint
+from hyper_gen.parallel.tp_plan import TPPlan
 
 # label -> (kind, make_checkpoint keywords). kv1: one KV head for two ranks (replicated K/V)
 CHECKPOINTS = {
@@ -57,12 +57,14 @@ def _line(job, rank, check, label):
 RUNS = [(label, dtype) for label in CHECKPOINTS for dtype in DTYPES]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("label,dtype", RUNS)
 def test_tp_model_attributes_and_shard_reads(job, label, dtype):
     for rank in (0, 1):
         attributes = _line(job, rank, "attributes", f"{label}/{dtype}")
-        assert attributes == (f"group=None vocab_parallel=True vocab_size=97 plan=TPPlan(tp=2, rank={rank}) "
-                              "single_is_local=True")
+        assert attributes == (
+            f"group=None vocab_parallel=True vocab_size=97 plan=TPPlan(tp=2, rank={rank}) single_is_local=True"
+        )
         reads = _line(job, rank, "reads", f"{label}/{dtype}")
         split_read_whole, full_slices = re.match(r"split_read_whole=(\[.*?\]) full_slices=(\[.*\])", reads).groups()
         assert split_read_whole == "[]"  # a split weight is never read whole
@@ -71,6 +73,7 @@ def test_tp_model_attributes_and_shard_reads(job, label, dtype):
         assert set(eval(full_slices)) <= (allowed if label == "kv1_tied" else set())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("label,dtype", RUNS)
 def test_tp_logits_match_single_device(job, label, dtype):
     """Prefill of a left-padded batch (a 70-token prompt: two delta-rule chunks) + 4 decode
@@ -81,16 +84,20 @@ def test_tp_logits_match_single_device(job, label, dtype):
     must be within twice the single device's own (or 1e-4), and TP vs single within 1e-3."""
     for rank in (0, 1):
         line = _line(job, rank, "logits", f"{label}/{dtype}")
-        diff, tp_error, single_error = (float(v) for v in re.match(
-            r"maxdiff=(\S+) tp_vs_f64=(\S+) single_vs_f64=(\S+)", line).groups())
-        print(f"TP=2 vs single device {label}/{dtype} rank {rank}: max abs logit diff {diff:.3e} "
-              f"(vs float64: TP {tp_error:.3e}, single {single_error:.3e})")
+        diff, tp_error, single_error = (
+            float(v) for v in re.match(r"maxdiff=(\S+) tp_vs_f64=(\S+) single_vs_f64=(\S+)", line).groups()
+        )
+        print(
+            f"TP=2 vs single device {label}/{dtype} rank {rank}: max abs logit diff {diff:.3e} "
+            f"(vs float64: TP {tp_error:.3e}, single {single_error:.3e})"
+        )
         if dtype == "float64":
             assert diff <= 1e-9
         else:
             assert diff <= 1e-3 and tp_error <= max(2 * single_error, 1e-4)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 @pytest.mark.parametrize("label,dtype", RUNS)
 def test_tp_generate_gives_single_device_tokens_on_every_rank(job, label, dtype, mode):
@@ -103,27 +110,33 @@ def test_tp_generate_gives_single_device_tokens_on_every_rank(job, label, dtype,
     assert len(eval(tokens[0])[0]) == 70 + 8  # the long prompt and all 8 new tokens
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("label,dtype", RUNS)
 def test_counted_collectives_per_decode_step_match_the_formula(job, label, dtype):
     for rank in (0, 1):
         assert _line(job, rank, "traffic", f"{label}/{dtype}").startswith("match=True")
 
 
+@pytest.mark.distributed
 def test_tp_other_than_the_world_size_is_a_clear_error(job):
     _, text = job
     for rank in (0, 1):
         assert f"rank {rank}: world ValueError: tp=4 but the job has 2 ranks" in text, text[-3000:]
 
 
+@pytest.mark.distributed
 def test_mismatched_input_raises_on_every_rank_without_hanging(job):
     _, text = job
     for rank in (0, 1):
-        assert re.search(rf"rank {rank}: mismatch ValueError: .*different input_ids.*rank\(s\) \[1\]", text), text[-3000:]
+        assert re.search(rf"rank {rank}: mismatch ValueError: .*different input_ids.*rank\(s\) \[1\]", text), text[
+            -3000:
+        ]
     after = re.findall(r"rank (\d): after-mismatch tokens=(.*)", text)
     assert len(after) == 2 and after[0][1] == after[1][1]  # the ranks are still in step
 
 
 # ------------------------------------------------------------------------ single-process errors
+
 
 @pytest.fixture
 def no_weight_reads(monkeypatch):
@@ -174,10 +187,13 @@ def test_bad_tp_values(paths, tp):
 
 # ------------------------------------------------------------------------------ traffic formula
 
+
 def test_collective_bytes_per_decode_step_formula(paths):
     config = Qwen3_5Config.from_dict(Checkpoint(paths["dense"]).config)  # hidden 32, 4 layers, vocab 97
     assert decode_step_collectives(config, batch=3, tp=2, dtype_bytes=4) == {
-        "all_reduce": (9, 3 * 32 * 4), "all_gather": (1, 3 * 49 * 4)}
+        "all_reduce": (9, 3 * 32 * 4),
+        "all_gather": (1, 3 * 49 * 4),
+    }
     # (1 + 2 * 4) * B*H*4 * 2*(2-1)/2  +  B * 98 * 4 * (2-1)/2
     assert collective_bytes_per_decode_step(config, 3, 2, 4) == 9 * 384 + 588
     # tp=4: vocab padded to 100, ring factors 2*3/4 and 3/4

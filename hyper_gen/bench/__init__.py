@@ -17,8 +17,9 @@ import os
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="hyper-gen bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hyper-gen bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="which")
     loop = sub.add_parser("loop", help="loop time outside the forward, torch vs MindSpore")
     loop.add_argument("--backends", default="torch,mindspore")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
 
@@ -16,10 +15,19 @@ def _hf_qwen35(hidden: int, layers: int, vocab: int):
 
     torch.manual_seed(0)
     heads = max(hidden // 64, 2)
-    cfg = Qwen3_5TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
-                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
-                            head_dim=64, linear_num_key_heads=heads, linear_num_value_heads=heads,
-                            linear_key_head_dim=64, linear_value_head_dim=64)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=64,
+        linear_num_key_heads=heads,
+        linear_num_value_heads=heads,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+    )
     return Qwen3_5ForCausalLM(cfg).eval()
 
 
@@ -44,8 +52,9 @@ def run_hf(args):
     new = args.new_tokens
 
     def hf(n):
-        return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                      eos_token_id=None)
+        return lambda: model.generate(
+            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
 
     def ours(n):
         return lambda: generate(model, ids, GenerationConfig(max_new_tokens=n, eos_token_id=None))
@@ -55,8 +64,10 @@ def run_hf(args):
         prefill = _time(make(1), args.repeats)
         total = _time(make(new), args.repeats)
         rows.append((name, prefill, (new - 1) * args.batch / (total - prefill)))
-    print(f"HF Qwen3.5 hidden={args.hidden} layers={args.layers} vocab={args.vocab} B={args.batch} "
-          f"prompt={args.prompt_len} new={new} threads={torch.get_num_threads()}")
+    print(
+        f"HF Qwen3.5 hidden={args.hidden} layers={args.layers} vocab={args.vocab} B={args.batch} "
+        f"prompt={args.prompt_len} new={new} threads={torch.get_num_threads()}"
+    )
     for name, prefill, tps in rows:
         print(f"  {name:20s} prefill {prefill * 1e3:8.1f} ms   decode {tps:8.1f} tok/s")
     print(f"  hyper_gen / HF decode speed: {rows[1][2] / rows[0][2]:.3f}x")

@@ -47,8 +47,9 @@ def _null_model(framework: str, batch: int, vocab: int):
                 self.logits = torch.nn.Parameter(torch.from_numpy(logits), requires_grad=False)
                 self.forward_seconds = 0.0
 
-            def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None,
-                        logits_to_keep=0):
+            def forward(
+                self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0
+            ):
                 start = time.perf_counter()
                 out = {"logits": self.logits}
                 self.forward_seconds += time.perf_counter() - start
@@ -65,8 +66,7 @@ def _null_model(framework: str, batch: int, vocab: int):
             self.logits = ms.Parameter(ms.Tensor(logits), requires_grad=False)
             self.forward_seconds = 0.0
 
-        def construct(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None,
-                      logits_to_keep=0):
+        def construct(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
             start = time.perf_counter()
             out = {"logits": self.logits}
             self.forward_seconds += time.perf_counter() - start

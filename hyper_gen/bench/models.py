@@ -20,13 +20,35 @@ from hyper_gen.generation import generate
 
 SHAPES = {
     # hidden 512, 8 layers, vocab 32k
-    "mid": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-                intermediate_size=1536, vocab_size=32000, tie_word_embeddings=True),
+    "mid": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=8,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        intermediate_size=1536,
+        vocab_size=32000,
+        tie_word_embeddings=True,
+    ),
     # the Qwen3.5-0.8B text shape
-    "0.8b": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                 linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-                 linear_value_head_dim=128, intermediate_size=3584, vocab_size=248320, tie_word_embeddings=True),
+    "0.8b": dict(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        intermediate_size=3584,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -34,7 +56,8 @@ def make_checkpoint(shape: str, cache_dir: str) -> str:
     """A random-weight float32 HF checkpoint of ``shape`` (written once, then reused)."""
     path = os.path.join(cache_dir, f"qwen3_5-{shape}")
     if os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(
-            os.path.join(path, "model.safetensors.index.json")):
+        os.path.join(path, "model.safetensors.index.json")
+    ):
         return path
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -104,25 +127,33 @@ def run_models(args):
     bytes_per_step = weight_bytes(hf)
     ids_t = torch.from_numpy(ids)
 
-    def hf_run(n):
-        return hf.generate(ids_t, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                           eos_token_id=None)
+    def hf_run(n, model=hf):
+        return model.generate(
+            ids_t, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
 
     rows.append(("HF generate (torch)",) + _timed_generate(hf_run, args.new_tokens, args.repeats))
-    del hf
+    del hf, hf_run  # free the HF weights before loading ours
     for backend in [b.strip() for b in args.backends.split(",")]:
         model = load_model(path, backend=backend, dtype="float32")
-        rows.append((f"hyper_gen {backend}",) + _timed_generate(
-            lambda n, m=model: generate(m, ids, cfg.replace(max_new_tokens=n)), args.new_tokens, args.repeats))
+        rows.append(
+            (f"hyper_gen {backend}",)
+            + _timed_generate(
+                lambda n, m=model: generate(m, ids, cfg.replace(max_new_tokens=n)), args.new_tokens, args.repeats
+            )
+        )
         del model
 
     roofline = bandwidth / bytes_per_step  # steps/s if a step only read the weights
-    print(f"Qwen3.5 '{args.shape}' random weights, float32, batch {args.batch}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, torch threads {torch.get_num_threads()}")
-    print(f"weights {bytes_per_step / 1e9:.2f} GB per step; matrix-vector bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"roofline {roofline:.2f} steps/s")
+    print(
+        f"Qwen3.5 '{args.shape}' random weights, float32, batch {args.batch}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"weights {bytes_per_step / 1e9:.2f} GB per step; matrix-vector bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"roofline {roofline:.2f} steps/s"
+    )
     print(f"  {'':24s}{'prefill ms':>12s}{'decode tok/s':>14s}{'vs HF':>8s}{'roofline':>10s}")
     hf_rate = rows[0][2]
     for name, prefill, rate in rows:
-        print(f"  {name:24s}{prefill * 1e3:12.1f}{rate * args.batch:14.2f}{rate / hf_rate:8.2f}x"
-              f"{rate / roofline:9.0%}")
+        print(f"  {name:24s}{prefill * 1e3:12.1f}{rate * args.batch:14.2f}{rate / hf_rate:8.2f}x{rate / roofline:9.0%}")

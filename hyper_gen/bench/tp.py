@@ -46,7 +46,7 @@ def run_tp(args):
         model = load_model(path, backend=args.backend, dtype="float32", tp=tp)
         run = lambda n, m=model: generate(m, ids, cfg.replace(max_new_tokens=n))  # noqa: E731
         run(2)
-        prefill = min(_seconds(lambda: run(1)) for _ in range(args.repeats))
+        prefill = min(_seconds(lambda r=run: r(1)) for _ in range(args.repeats))
         start = time.perf_counter()
         outputs[tp] = ops.to_numpy(run(args.new_tokens))
         total = time.perf_counter() - start
@@ -55,13 +55,17 @@ def run_tp(args):
     config = Qwen3_5Config.from_dict(Checkpoint(path).config)
     moved = collective_bytes_per_decode_step(config, args.batch, world, 4)
     if rank == 0:
-        print(f"{args.backend}: Qwen3.5 '{args.shape}' float32, B={args.batch}, prompt {args.prompt_len}, "
-              f"{args.new_tokens} new tokens, {world} ranks running at once, {threads}")
+        print(
+            f"{args.backend}: Qwen3.5 '{args.shape}' float32, B={args.batch}, prompt {args.prompt_len}, "
+            f"{args.new_tokens} new tokens, {world} ranks running at once, {threads}"
+        )
         for tp, (prefill, rate) in results.items():
             print(f"  TP={tp}: prefill {prefill * 1e3:9.1f} ms   decode {rate:8.2f} tok/s")
-        print(f"  TP={world} / TP=1 decode: {results[world][1] / results[1][1]:.2f}x; "
-              f"collectives per decode step: {moved / 1e3:.1f} kB per rank; "
-              f"tokens identical: {np.array_equal(outputs[1], outputs[world])}")
+        print(
+            f"  TP={world} / TP=1 decode: {results[world][1] / results[1][1]:.2f}x; "
+            f"collectives per decode step: {moved / 1e3:.1f} kB per rank; "
+            f"tokens identical: {np.array_equal(outputs[1], outputs[world])}"
+        )
 
 
 def _seconds(fn) -> float:

@@ -62,22 +62,32 @@ def run_jsonl(model, tokenizer, config, input_path: str, output_path: str, batch
     rows = read_prompts(input_path)
     done = finished_ids(output_path) if write else set()
     todo = [row for row in rows if json.dumps(row[1]) not in done]
-    lengths = {i: len(tokenizer(row[2], add_special_tokens=False)["input_ids"])
-               for i, row in enumerate(todo)}
+    lengths = {i: len(tokenizer(row[2], add_special_tokens=False)["input_ids"]) for i, row in enumerate(todo)}
     order = sorted(range(len(todo)), key=lambda i: lengths[i])
     out = open(output_path, "a", encoding="utf-8") if write else None
-    progress = tqdm(total=len(rows), initial=len(rows) - len(todo), unit="row", disable=not write,
-                    desc="generate", file=sys.stderr)
+    progress = tqdm(
+        total=len(rows), initial=len(rows) - len(todo), unit="row", disable=not write, desc="generate", file=sys.stderr
+    )
     tokens, start = 0, time.perf_counter()
     try:
         for first in range(0, len(order), batch_size):
-            batch = [todo[i] for i in order[first:first + batch_size]]
+            batch = [todo[i] for i in order[first : first + batch_size]]
             texts, counts, reasons = completions(model, tokenizer, [row[2] for row in batch], config)
             tokens += sum(counts)
             if out is not None:
                 for (_, row_id, prompt), text, count, reason in zip(batch, texts, counts, reasons):
-                    out.write(json.dumps({"id": row_id, "prompt": prompt, "completion": text,
-                                          "completion_tokens": count, "finish_reason": reason}) + "\n")
+                    out.write(
+                        json.dumps(
+                            {
+                                "id": row_id,
+                                "prompt": prompt,
+                                "completion": text,
+                                "completion_tokens": count,
+                                "finish_reason": reason,
+                            }
+                        )
+                        + "\n"
+                    )
                 out.flush()
                 os.fsync(out.fileno())
             progress.update(len(batch))

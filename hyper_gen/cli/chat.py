@@ -54,13 +54,15 @@ def run_chat(args) -> int:
         if world > 1:
             seed = int(broadcast_ints(ops, [seed])[0])
         messages.append({"role": "user", "content": text})
-        ids = tokenizer(format_conversation(tokenizer, messages), return_tensors="np",
-                        add_special_tokens=False)["input_ids"]
+        ids = tokenizer(format_conversation(tokenizer, messages), return_tensors="np", add_special_tokens=False)[
+            "input_ids"
+        ]
         print("Assistant:", end=" ", file=out, flush=True)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True, file=out)
-        result = np.asarray(host(generate(model, ids, config.replace(seed=seed) if config.do_sample else config,
-                                           streamer=streamer)))
-        reply = tokenizer.decode(result[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        result = np.asarray(
+            host(generate(model, ids, config.replace(seed=seed) if config.do_sample else config, streamer=streamer))
+        )
+        reply = tokenizer.decode(result[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply.strip()})
         turn += 1
     print("", file=out, flush=True)

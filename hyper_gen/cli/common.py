@@ -8,8 +8,8 @@ import os
 
 from hyper_gen import registry
 from hyper_gen.config import GenerationConfig
-from hyper_gen.generation import generate
 from hyper_gen.demo import demo_model_path
+from hyper_gen.generation import generate
 from hyper_gen.parallel.launcher import host_ops, init_distributed, launched_multi_rank
 from hyper_gen.registry import to_host
 
@@ -40,17 +40,25 @@ def generation_config(args, defaults: dict) -> GenerationConfig:
     """The config the flags ask for, with the checkpoint's eos/pad ids; rejected values -> UsageError."""
     try:
         return GenerationConfig(
-            max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-            seed=args.seed, eos_token_id=defaults.get("eos_token_id"), pad_token_id=defaults.get("pad_token_id", 0),
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            eos_token_id=defaults.get("eos_token_id"),
+            pad_token_id=defaults.get("pad_token_id", 0),
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 
 
 def load_tokenizer(path: str):
-    if not any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer.model",
-                                                                        "vocab.json")):
+    if not any(
+        os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
         raise UsageError(f"model path {path!r} has no tokenizer (tokenizer.json)")
     from transformers import AutoTokenizer
 
@@ -104,11 +112,11 @@ def completions(model, tokenizer, prompts, config, on_tokens=None):
     texts, counts, reasons = [], [], []
     eos = set(config.eos_token_ids)
     for row, length in enumerate(mask.sum(axis=1)):
-        generated = out[row, int(length):].tolist()
+        generated = out[row, int(length) :].tolist()
         ended = next((i for i, t in enumerate(generated) if t in eos), None)
-        generated = generated[:ended + 1] if ended is not None else generated
+        generated = generated[: ended + 1] if ended is not None else generated
         if ended is None:  # trailing pad ids only pad the output to the common width
-            generated = generated[:config.max_new_tokens]
+            generated = generated[: config.max_new_tokens]
         texts.append(tokenizer.decode(generated, skip_special_tokens=True))
         counts.append(len(generated))
         reasons.append("eos" if ended is not None else "length")

@@ -28,8 +28,12 @@ def run_generate(args) -> int:
         return run_jsonl(model, tokenizer, config, args.input, args.output, args.batch_size, write=rank0)
     if args.stream:
         for prompt in args.prompt:
-            streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True,
-                                    file=sys.stdout if rank0 else open(os.devnull, "w"))
+            streamer = TextStreamer(
+                tokenizer,
+                skip_prompt=True,
+                skip_special_tokens=True,
+                file=sys.stdout if rank0 else open(os.devnull, "w"),
+            )
             if rank0:
                 print(prompt, end="", flush=True)
             batch = tokenizer([prompt], return_tensors="np", add_special_tokens=False)

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts, or a JSONL file of prompts")
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    gen.add_argument("--input", help="JSONL file with {\"id\": ..., \"prompt\": ...} per line")
+    gen.add_argument("--input", help='JSONL file with {"id": ..., "prompt": ...} per line')
     gen.add_argument("--output", help="JSONL file to append results to (resumable)")
     gen.add_argument("--batch-size", type=int, default=8)
     gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")

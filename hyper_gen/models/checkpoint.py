@@ -92,15 +92,14 @@ class Checkpoint:
                 for name in f.keys():
                     stored[name] = single_file
         else:
-            raise ValueError(
-                f"checkpoint {self.path!r} has neither model.safetensors nor model.safetensors.index.json"
-            )
+            raise ValueError(f"checkpoint {self.path!r} has neither model.safetensors nor model.safetensors.index.json")
         files: Dict[str, tuple] = {}
         for name, fname in stored.items():
             if name.startswith(_SKIPPED_PREFIXES):
                 continue
-            normalised = "model." + name[len(_MULTIMODAL_TEXT_PREFIX):] if name.startswith(
-                _MULTIMODAL_TEXT_PREFIX) else name
+            normalised = (
+                "model." + name[len(_MULTIMODAL_TEXT_PREFIX) :] if name.startswith(_MULTIMODAL_TEXT_PREFIX) else name
+            )
             files[normalised] = (fname, name)
         return files
 
@@ -156,7 +155,7 @@ class Checkpoint:
         if window is not None:
             axis, start, stop = window
             axis = axis % len(shape)
-            index = index[:axis] + (slice(start, stop),) + index[axis + 1:]
+            index = index[:axis] + (slice(start, stop),) + index[axis + 1 :]
         if view.get_dtype() in ("BF16", "bfloat16"):
             array = _bf16_to_float32(self._read_bf16_raw(self._files[name][0], stored)[index])
         else:
@@ -174,8 +173,7 @@ class Checkpoint:
         data_start, header = self._headers[fname]
         meta = header[stored]
         begin, end = meta["data_offsets"]
-        raw = np.memmap(fname, dtype=np.uint16, mode="r", offset=data_start + begin,
-                        shape=((end - begin) // 2,))
+        raw = np.memmap(fname, dtype=np.uint16, mode="r", offset=data_start + begin, shape=((end - begin) // 2,))
         return raw.reshape(meta["shape"])
 
 

@@ -44,8 +44,10 @@ class TPPlan:
         if num_kv_heads >= self.tp:
             return self.block(num_kv_heads, "num_key_value_heads")
         if self.tp % num_kv_heads:
-            raise ValueError(f"tp={self.tp} must be a multiple of num_key_value_heads={num_kv_heads} "
-                             "when there are fewer KV heads than ranks")
+            raise ValueError(
+                f"tp={self.tp} must be a multiple of num_key_value_heads={num_kv_heads} "
+                "when there are fewer KV heads than ranks"
+            )
         q_start, _ = self.block(num_heads, "num_attention_heads")
         head = q_start // (num_heads // num_kv_heads)
         return head, head + 1

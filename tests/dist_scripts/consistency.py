@@ -31,7 +31,7 @@ except ValueError as exc:
 try:
     generate(model, [[5, 6, 7, 8]], cfg.replace(top_k=rank + 1))
     print(f"rank {rank}: NO CONFIG ERROR", flush=True)
-except ValueError as exc:
+except ValueError:
     print(f"rank {rank}: config ValueError", flush=True)
 
 # vocab-parallel: each rank returns only its half of the vocabulary; generate gathers before sampling
@@ -45,7 +45,7 @@ original = type(sharded).forward if framework == "torch" else type(sharded).cons
 
 def local_slice(self, *args, **kwargs):
     out = original(self, *args, **kwargs)
-    out["logits"] = out["logits"][:, :, rank * vocab // 2:(rank + 1) * vocab // 2]
+    out["logits"] = out["logits"][:, :, rank * vocab // 2 : (rank + 1) * vocab // 2]
     return out
 
 

@@ -3,7 +3,8 @@
 usage: tp_mindspore.py KIND=CHECKPOINT [KIND=CHECKPOINT ...]
 
 Kinds ``dense`` and ``moe`` get every check; any other kind (e.g. a single-KV-head variant, where
-both ranks keep the one KV head) gets the float64 logits, read and greedy checks only. Every rank also builds the whole (tp=1) model locally, so each comparison runs in one process.
+both ranks keep the one KV head) gets the float64 logits, read and greedy checks only. Every rank
+also builds the whole (tp=1) model locally, so each comparison runs in one process.
 Prints one ``TP {json}`` line per check and rank; tests/test_tp_mindspore.py asserts on them.
 Every rank makes the same collective calls in the same order (a rank that skipped one would hang
 the other), so nothing here raises between collectives: results are reported, not asserted.
@@ -12,8 +13,8 @@ the other), so nothing here raises between collectives: results are reported, no
 import json
 import sys
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 
 from hyper_gen import GenerationConfig, generate
 from hyper_gen.backends.mindspore.models import qwen3_5
@@ -79,15 +80,22 @@ def forwards(model, dtype):
     positions = np.maximum(np.cumsum(MASK, 1) - 1, 0)
     cache = StaticCache(MindSporeOps(), batch, WIDTH + DECODE.shape[1])
     cache.prompt_mask = ms.Tensor(MASK.astype(dtype))
-    out = model(ms.Tensor(IDS), position_ids=ms.Tensor(positions),
-                attention_mask=contract_mask(0, WIDTH, cache.max_length, dtype), past_key_values=cache)
+    out = model(
+        ms.Tensor(IDS),
+        position_ids=ms.Tensor(positions),
+        attention_mask=contract_mask(0, WIDTH, cache.max_length, dtype),
+        past_key_values=cache,
+    )
     cache.advance(WIDTH)
     logits = [out["logits"].asnumpy()]
     for step in range(DECODE.shape[1]):
-        out = model(ms.Tensor(DECODE[:, step:step + 1]),
-                    position_ids=ms.Tensor(np.array(LENGTHS)[:, None] + step),
-                    attention_mask=contract_mask(cache.seq_length, 1, cache.max_length, dtype),
-                    past_key_values=cache, logits_to_keep=1)
+        out = model(
+            ms.Tensor(DECODE[:, step : step + 1]),
+            position_ids=ms.Tensor(np.array(LENGTHS)[:, None] + step),
+            attention_mask=contract_mask(cache.seq_length, 1, cache.max_length, dtype),
+            past_key_values=cache,
+            logits_to_keep=1,
+        )
         cache.advance(1)
         logits.append(out["logits"].asnumpy())
     return logits
@@ -102,10 +110,12 @@ class CollectiveBytes:
 
     def __enter__(self):
         for name, original in self.originals.items():
+
             def counted(this, x, *args, _name=name, _original=original, **kwargs):
                 self.counts[_name][0] += 1
                 self.counts[_name][1] += int(x.nbytes)
                 return _original(this, x, *args, **kwargs)
+
             setattr(MindSporeOps, name, counted)
         return self
 
@@ -141,19 +151,28 @@ def generate_checks(kind, single, sharded, dtype, sampling=True):
         return step_scores
 
     base = GenerationConfig(max_new_tokens=8, eos_token_id=None, pad_token_id=0)
-    runs = [("greedy", base), ("seeded", base.replace(do_sample=True, seed=11, top_k=0, temperature=0.9,
-                                                         cache_implementation="dynamic"))]
+    runs = [
+        ("greedy", base),
+        ("seeded", base.replace(do_sample=True, seed=11, top_k=0, temperature=0.9, cache_implementation="dynamic")),
+    ]
     for name, config in runs if sampling else runs[:1]:
         scores.clear()
         want = generate(single, IDS, config.replace(logits_processor=[record]), attention_mask=MASK).asnumpy()
         # the sharded run gets the same (counted) logits_processor, so the ranks' configs agree
         got = generate(sharded, IDS, config.replace(logits_processor=[lambda i, s: s]), attention_mask=MASK).asnumpy()
         gap = first_divergence(want, got, scores)
-        report(kind, f"generate-{name}-{dtype}", equal=gap is None, tie_gap=gap, tokens=got.tolist(),
-               single_tokens=want.tolist())
+        report(
+            kind,
+            f"generate-{name}-{dtype}",
+            equal=gap is None,
+            tie_gap=gap,
+            tokens=got.tolist(),
+            single_tokens=want.tolist(),
+        )
 
 
 # ------------------------------------------------------------------------------ checks
+
 
 def check_kind(kind, path):
     full = kind in FULL_KINDS
@@ -177,13 +196,25 @@ def check_kind(kind, path):
             total_split = sum(size for n, size, _ in whole_checkpoint.reads if not n.endswith(REPLICATED))
             replicated = sum(size for n, size, _ in shard_checkpoint.reads if n.endswith(REPLICATED))
             total_replicated = sum(size for n, size, _ in whole_checkpoint.reads if n.endswith(REPLICATED))
-            report(kind, "reads", unsplit_full_reads=[n for n in full_reads if not n.endswith(REPLICATED)],
-                   split_elements=split, total_split_elements=total_split,
-                   replicated_elements=replicated, total_replicated_elements=total_replicated)
-            report(kind, "attributes", parallel_group=sharded.parallel_group,
-                   has_group=hasattr(sharded, "parallel_group"), vocab_parallel=sharded.vocab_parallel,
-                   vocab_size=sharded.vocab_size, plan=[sharded.tp_plan.tp, sharded.tp_plan.rank],
-                   single_parallel=hasattr(single, "parallel_group") or getattr(single, "vocab_parallel", False))
+            report(
+                kind,
+                "reads",
+                unsplit_full_reads=[n for n in full_reads if not n.endswith(REPLICATED)],
+                split_elements=split,
+                total_split_elements=total_split,
+                replicated_elements=replicated,
+                total_replicated_elements=total_replicated,
+            )
+            report(
+                kind,
+                "attributes",
+                parallel_group=sharded.parallel_group,
+                has_group=hasattr(sharded, "parallel_group"),
+                vocab_parallel=sharded.vocab_parallel,
+                vocab_size=sharded.vocab_size,
+                plan=[sharded.tp_plan.tp, sharded.tp_plan.rank],
+                single_parallel=hasattr(single, "parallel_group") or getattr(single, "vocab_parallel", False),
+            )
 
         np_dtype = np.float64 if dtype == "float64" else np.float32
         want = forwards(single, np_dtype)
@@ -192,13 +223,23 @@ def check_kind(kind, path):
         start, stop = PLAN.vocab(VOCAB)
         real = min(stop, VOCAB) - start
         width = stop - start
-        diff = max(float(np.abs(g[..., :real].astype(np.float64) - w[..., start:start + real]).max())
-                   for g, w in zip(got, want))
+        diff = max(
+            float(np.abs(g[..., :real].astype(np.float64) - w[..., start : start + real]).max())
+            for g, w in zip(got, want)
+        )
         padding_zero = all(np.all(g[..., real:] == 0) for g in got)
         scale = max(float(np.abs(w).max()) for w in want)
-        report(kind, f"logits-{dtype}", max_abs_diff=diff, max_abs_logit=scale, shard_width=int(got[0].shape[-1]),
-               expected_width=width, padding_zero=bool(padding_zero), collectives=counter.counts,
-               forwards=1 + DECODE.shape[1])
+        report(
+            kind,
+            f"logits-{dtype}",
+            max_abs_diff=diff,
+            max_abs_logit=scale,
+            shard_width=int(got[0].shape[-1]),
+            expected_width=width,
+            padding_zero=bool(padding_zero),
+            collectives=counter.counts,
+            forwards=1 + DECODE.shape[1],
+        )
 
         if full and dtype == "float32":
             # bytes per decode step, measured on one step of a batch of 3
@@ -217,8 +258,12 @@ for kind_name, checkpoint_path in CHECKPOINTS.items():
 # what the native MindSpore CPU collectives do with float64 (why the model moves float64 as bits)
 x = ms.Tensor(np.array([[1 / 3 + rank, np.pi]], np.float64))
 gathered = MindSporeOps().all_gather(x).asnumpy()
-report("collectives", "float64-allgather", exact=bool(np.array_equal(gathered[rank], x.asnumpy()[0])),
-       dtype=str(MindSporeOps().all_gather(x).dtype))
+report(
+    "collectives",
+    "float64-allgather",
+    exact=bool(np.array_equal(gathered[rank], x.asnumpy()[0])),
+    dtype=str(MindSporeOps().all_gather(x).dtype),
+)
 try:
     MindSporeOps().all_reduce(x)
     report("collectives", "float64-allreduce", error=None)

@@ -17,7 +17,6 @@ from hyper_gen.backends.torch.ops import TorchOps
 from hyper_gen.cache import DynamicCache, StaticCache
 from hyper_gen.models import qwen3_5 as qwen3_5_family
 from hyper_gen.models.checkpoint import Checkpoint
-from hyper_gen.parallel.tp_plan import TPPlan
 from hyper_gen.models.qwen3_5.tp_traffic import collective_bytes_per_decode_step, decode_step_collectives
 
 torch.set_num_threads(1)
@@ -40,8 +39,8 @@ def padded_batch(vocab, seed=0):
     ids = np.zeros((len(LENGTHS), width), np.int64)
     mask = np.zeros_like(ids)
     for row, n in enumerate(LENGTHS):
-        ids[row, width - n:] = rng.integers(1, vocab, n)
-        mask[row, width - n:] = 1
+        ids[row, width - n :] = rng.integers(1, vocab, n)
+        mask[row, width - n :] = 1
     return ids, mask, rng.integers(1, vocab, (len(LENGTHS), DECODE_STEPS))
 
 
@@ -51,7 +50,7 @@ def full_vocab(model, logits):
         return logits
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, logits.contiguous())
-    return torch.cat(parts, -1)[..., :model.vocab_size]
+    return torch.cat(parts, -1)[..., : model.vocab_size]
 
 
 def contract_mask(prompt_mask, past, seq, total, dtype):
@@ -72,13 +71,20 @@ def contract_run(model, ids, prompt_mask, decode_ids, cache_class):
     lengths = prompt_mask.sum(1)
     with torch.no_grad():
         mask = contract_mask(prompt_mask, 0, width, total(width), model.dtype)
-        outs = [full_vocab(model, model(ids, position_ids=positions, attention_mask=mask,
-                                        past_key_values=cache)["logits"]) * prompt_mask[..., None]]
+        outs = [
+            full_vocab(model, model(ids, position_ids=positions, attention_mask=mask, past_key_values=cache)["logits"])
+            * prompt_mask[..., None]
+        ]
         cache.advance(width)
         for step in range(decode_ids.shape[1]):
             mask = contract_mask(prompt_mask, cache.seq_length, 1, total(1), model.dtype)
-            out = model(decode_ids[:, step:step + 1], position_ids=(lengths + step)[:, None], attention_mask=mask,
-                        past_key_values=cache, logits_to_keep=1)["logits"]
+            out = model(
+                decode_ids[:, step : step + 1],
+                position_ids=(lengths + step)[:, None],
+                attention_mask=mask,
+                past_key_values=cache,
+                logits_to_keep=1,
+            )["logits"]
             outs.append(full_vocab(model, out))
             cache.advance(1)
     return outs
@@ -126,7 +132,7 @@ def counted_decode_step(model, ids, mask, cfg):
         generate(model, ids, cfg, attention_mask=mask, on_tokens=lambda step, tokens, done: marks.append(len(log)))
     finally:
         dist.all_reduce, dist.all_gather = all_reduce, all_gather
-    return log[marks[1]:marks[2]]
+    return log[marks[1] : marks[2]]
 
 
 rank = None
@@ -136,9 +142,11 @@ for label, path in checkpoints:
         rank = dist.get_rank()
         single = load_model(path, backend="torch", dtype=dtype)
         tag = f"rank {rank}: {{}} {label}/{dtype}"
-        say(tag.format("attributes") + f" group={tp_model.parallel_group} vocab_parallel={tp_model.vocab_parallel} "
+        say(
+            tag.format("attributes") + f" group={tp_model.parallel_group} vocab_parallel={tp_model.vocab_parallel} "
             f"vocab_size={tp_model.vocab_size} plan={tp_model.tp_plan} "
-            f"single_is_local={not hasattr(single, 'parallel_group')}")
+            f"single_is_local={not hasattr(single, 'parallel_group')}"
+        )
         say(tag.format("reads") + f" split_read_whole={split_read_whole} full_slices={full_slices}")
 
         ids, mask, decode_ids = padded_batch(single.vocab_size)
@@ -151,8 +159,11 @@ for label, path in checkpoints:
             ours = contract_run(tp_model, t_ids, t_mask, t_decode, cache_class)
             reference = contract_run(single, t_ids, t_mask, t_decode, cache_class)
             exact = contract_run(truth, t_ids, t_mask, t_decode, cache_class)
-            for key, (x, y) in (("maxdiff", (ours, reference)), ("tp_vs_f64", (ours, exact)),
-                                ("single_vs_f64", (reference, exact))):
+            for key, (x, y) in (
+                ("maxdiff", (ours, reference)),
+                ("tp_vs_f64", (ours, exact)),
+                ("single_vs_f64", (reference, exact)),
+            ):
                 diffs[key] = max(diffs[key], max((a.double() - b.double()).abs().max().item() for a, b in zip(x, y)))
         say(tag.format("logits") + " " + " ".join(f"{key}={value:.3e}" for key, value in diffs.items()))
 
@@ -165,11 +176,15 @@ for label, path in checkpoints:
 
         calls = counted_decode_step(tp_model, ids, mask, greedy)
         expected = decode_step_collectives(tp_model.config, len(LENGTHS), 2, tp_model.dtype.itemsize)
-        counted = {kind: (sum(1 for k, _ in calls if k == kind), sorted({b for k, b in calls if k == kind}))
-                   for kind in ("all_reduce", "all_gather")}
+        counted = {
+            kind: (sum(1 for k, _ in calls if k == kind), sorted({b for k, b in calls if k == kind}))
+            for kind in ("all_reduce", "all_gather")
+        }
         matches = all(counted[kind] == (n, [size]) for kind, (n, size) in expected.items())
-        say(tag.format("traffic") + f" match={matches} counted={counted} expected={expected} bytes_per_rank="
-            f"{collective_bytes_per_decode_step(tp_model.config, len(LENGTHS), 2, tp_model.dtype.itemsize):.0f}")
+        say(
+            tag.format("traffic") + f" match={matches} counted={counted} expected={expected} bytes_per_rank="
+            f"{collective_bytes_per_decode_step(tp_model.config, len(LENGTHS), 2, tp_model.dtype.itemsize):.0f}"
+        )
 
 # tp must be the job's world size (the tiny configs split only at tp 1 and 2, so the plan check,
 # which would fail first, is bypassed here)

@@ -8,18 +8,29 @@ int32 indices, cast here to int64 as torch returns.
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import mint, ops
 
 _DTYPES = {
-    "float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32, "float64": ms.float64,
-    "int32": ms.int32, "int64": ms.int64, "bool": ms.bool_,
+    "float16": ms.float16,
+    "bfloat16": ms.bfloat16,
+    "float32": ms.float32,
+    "float64": ms.float64,
+    "int32": ms.int32,
+    "int64": ms.int64,
+    "bool": ms.bool_,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 _WIDE = (ms.float64, ms.int64)  # 8-byte dtypes the CPU collectives do not carry exactly
-_NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int32": np.int32,
-          "int64": np.int64, "bool": np.bool_}
+_NUMPY = {
+    "float16": np.float16,
+    "float32": np.float32,
+    "float64": np.float64,
+    "int32": np.int32,
+    "int64": np.int64,
+    "bool": np.bool_,
+}
 
 
 def ms_dtype(name: str):

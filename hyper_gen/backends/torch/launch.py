@@ -16,8 +16,9 @@ def init_from_env(device: str = None, timeout_s: float = 600.0) -> bool:
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    dist.init_process_group(backend=distributed_backend(device or default_device()),
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=distributed_backend(device or default_device()), timeout=timedelta(seconds=timeout_s)
+    )
     return True
 
 

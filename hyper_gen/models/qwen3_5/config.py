@@ -88,22 +88,26 @@ class Qwen3_5Config:
         if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
             raise ValueError(
                 f"config.json partial_rotary_factor {partial} gives {rotary_dim} rotary dims of head_dim "
-                f"{head_dim}: must be even and in (0, head_dim]")
+                f"{head_dim}: must be even and in (0, head_dim]"
+            )
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"config.json num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
-                f"({num_kv_heads})")
+                f"({num_kv_heads})"
+            )
 
         num_layers = field("num_hidden_layers")
         layer_types = config.get("layer_types")
         if layer_types is None:
             interval = field("full_attention_interval", default=4)
-            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                           for i in range(num_layers)]
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+            ]
         layer_types = tuple(layer_types)
         if len(layer_types) != num_layers:
             raise ValueError(
-                f"config.json layer_types has {len(layer_types)} entries, num_hidden_layers is {num_layers}")
+                f"config.json layer_types has {len(layer_types)} entries, num_hidden_layers is {num_layers}"
+            )
         for kind in layer_types:
             if kind not in LAYER_TYPES:
                 raise ValueError(f"config.json layer_types entry {kind!r} is not one of {LAYER_TYPES}")
@@ -113,13 +117,15 @@ class Qwen3_5Config:
         if linear_v_heads % linear_k_heads:
             raise ValueError(
                 f"config.json linear_num_value_heads ({linear_v_heads}) must be a multiple of "
-                f"linear_num_key_heads ({linear_k_heads})")
+                f"linear_num_key_heads ({linear_k_heads})"
+            )
 
         moe = config.get("num_experts") is not None
         if moe and not 0 < field("num_experts_per_tok") <= field("num_experts"):
             raise ValueError(
                 f"config.json num_experts_per_tok ({config['num_experts_per_tok']}) must be <= num_experts "
-                f"({config['num_experts']})")
+                f"({config['num_experts']})"
+            )
         return cls(
             vocab_size=field("vocab_size"),
             hidden_size=hidden_size,

@@ -56,8 +56,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
 from hyper_gen.backends.mindspore.ops import MindSporeOps
@@ -106,8 +106,9 @@ class _Weights:
         if window is None or tuple(window) == (0, shape[axis]):
             return self.checkpoint.get(name, self.np_read, shape=shape)
         if self.checkpoint.shape(name) != tuple(shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {self.checkpoint.shape(name)}, "
-                             f"expected {tuple(shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {self.checkpoint.shape(name)}, expected {tuple(shape)}"
+            )
         return self.checkpoint.get_slice(name, axis, window[0], window[1], self.np_read)
 
     def param(self, array: np.ndarray, name: str = "Parameter") -> Parameter:
@@ -135,8 +136,9 @@ class _Weights:
     def linear_t(self, parts: List[tuple], in_scale: np.ndarray = None) -> Parameter:
         """(out, in) checkpoint matrices [(name, shape) or (name, shape, (start, stop) rows)],
         concatenated along out, stored (in, out): column-parallel slices when rows are given."""
-        return self.projection([self.read(name, shape, 0, rows[0] if rows else None)
-                                for name, shape, *rows in parts], in_scale)
+        return self.projection(
+            [self.read(name, shape, 0, rows[0] if rows else None) for name, shape, *rows in parts], in_scale
+        )
 
     def row_parallel_t(self, name: str, shape, columns, in_scale: np.ndarray = None) -> Parameter:
         """An (out, in) matrix's ``in`` columns [start, stop), stored (in, out): a row-parallel
@@ -358,18 +360,26 @@ class GatedAttention(nn.Cell):
         kv_rows = (kv_start * d, kv_stop * d)
         query_gate = weights.read(f"{prefix}.q_proj.weight", (nh * 2 * d, h), 0, (q_start * 2 * d, q_stop * 2 * d))
         query_gate = query_gate.reshape(self.num_heads, 2, d, h)  # per head: [query rows | gate rows]
-        self.qkv_t = weights.projection([query_gate[:, 0].reshape(-1, h),
-                                         weights.read(f"{prefix}.k_proj.weight", (nkv * d, h), 0, kv_rows),
-                                         weights.read(f"{prefix}.v_proj.weight", (nkv * d, h), 0, kv_rows),
-                                         query_gate[:, 1].reshape(-1, h)], in_scale)
+        self.qkv_t = weights.projection(
+            [
+                query_gate[:, 0].reshape(-1, h),
+                weights.read(f"{prefix}.k_proj.weight", (nkv * d, h), 0, kv_rows),
+                weights.read(f"{prefix}.v_proj.weight", (nkv * d, h), 0, kv_rows),
+                query_gate[:, 1].reshape(-1, h),
+            ],
+            in_scale,
+        )
         self.split_sizes = ((self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d, self.num_heads * d)
         self.o_t = weights.row_parallel_t(f"{prefix}.o_proj.weight", (h, nh * d), (q_start * d, q_stop * d))
         # q_norm and k_norm weights (1 + w), one row per local head; queries carry the score scale
         acc = _numpy_dtype(weights.acc)
-        q_norm = weights.norm_scale(f"{prefix}.q_norm.weight", d) * acc(d ** -0.5)
+        q_norm = weights.norm_scale(f"{prefix}.q_norm.weight", d) * acc(d**-0.5)
         k_norm = weights.norm_scale(f"{prefix}.k_norm.weight", d)
-        self.qk_norm = Tensor(np.concatenate([np.tile(q_norm, (1, self.num_heads, 1)),
-                                              np.tile(k_norm, (1, self.num_kv_heads, 1))], 1).astype(acc))
+        self.qk_norm = Tensor(
+            np.concatenate(
+                [np.tile(q_norm, (1, self.num_heads, 1)), np.tile(k_norm, (1, self.num_kv_heads, 1))], 1
+            ).astype(acc)
+        )
         rot, half = cfg.rotary_dim, cfg.rotary_dim // 2
         rotate = np.zeros((d, d))  # x @ rotate = rotate_half(x) = [-x2, x1] on the rotary dims, 0 elsewhere
         rotate[np.arange(half, rot), np.arange(half)] = -1.0
@@ -446,18 +456,28 @@ class GatedDeltaNet(nn.Cell):
         # this rank's channels of the checkpoint's [q | k | v] conv channels (the full layout)
         full_key_dim, full_value_dim = nk * dk, nv * dv
         full_conv_dim = 2 * full_key_dim + full_value_dim
-        channels = [(k_start * dk, k_stop * dk), (full_key_dim + k_start * dk, full_key_dim + k_stop * dk),
-                    (2 * full_key_dim + v_start * dv, 2 * full_key_dim + v_stop * dv)]
+        channels = [
+            (k_start * dk, k_stop * dk),
+            (full_key_dim + k_start * dk, full_key_dim + k_stop * dk),
+            (2 * full_key_dim + v_start * dv, 2 * full_key_dim + v_stop * dv),
+        ]
         value_rows, heads = (v_start * dv, v_stop * dv), (v_start, v_stop)
         # one projection: [q | k | v] (the conv channels) | z | b | a
         qkv = f"{prefix}.in_proj_qkv.weight"
-        self.in_proj_t = weights.linear_t([(qkv, (full_conv_dim, h), rows) for rows in channels] +
-                                          [(f"{prefix}.in_proj_z.weight", (full_value_dim, h), value_rows),
-                                           (f"{prefix}.in_proj_b.weight", (nv, h), heads),
-                                           (f"{prefix}.in_proj_a.weight", (nv, h), heads)], in_scale)
+        self.in_proj_t = weights.linear_t(
+            [(qkv, (full_conv_dim, h), rows) for rows in channels]
+            + [
+                (f"{prefix}.in_proj_z.weight", (full_value_dim, h), value_rows),
+                (f"{prefix}.in_proj_b.weight", (nv, h), heads),
+                (f"{prefix}.in_proj_a.weight", (nv, h), heads),
+            ],
+            in_scale,
+        )
         self.split_sizes = (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
-        conv = np.concatenate([weights.read(f"{prefix}.conv1d.weight", (full_conv_dim, 1, self.kernel), 0, rows)
-                               for rows in channels], axis=0)
+        conv = np.concatenate(
+            [weights.read(f"{prefix}.conv1d.weight", (full_conv_dim, 1, self.kernel), 0, rows) for rows in channels],
+            axis=0,
+        )
         self.conv_t = weights.constant(conv[None, :, 0, :].transpose(0, 2, 1))  # (1, kernel, channels)
         self.conv_taps = tuple(weights.constant(np.ascontiguousarray(conv[:, 0, j])) for j in range(self.kernel))
         # (1, heads), as every constant an op broadcasts: MindSpore CPU broadcasts slower across ranks
@@ -465,8 +485,9 @@ class GatedDeltaNet(nn.Cell):
         self.a = ops.exp(weights.constant(weights.read(f"{prefix}.A_log", (nv,), 0, heads)[None]))
         self.dt_bias = weights.constant(weights.read(f"{prefix}.dt_bias", (nv,), 0, heads)[None])
         norm_weight = _round_to(weights.read(f"{prefix}.norm.weight", (dv,)), weights.dtype)
-        self.out_t = weights.row_parallel_t(f"{prefix}.out_proj.weight", (h, full_value_dim), value_rows,
-                                            np.tile(norm_weight, self.num_v_heads))
+        self.out_t = weights.row_parallel_t(
+            f"{prefix}.out_proj.weight", (h, full_value_dim), value_rows, np.tile(norm_weight, self.num_v_heads)
+        )
 
     def _conv_step(self, mixed, state, cache):
         """One token through the causal depthwise conv + SiLU: mixed (B, channels). The state is
@@ -491,7 +512,7 @@ class GatedDeltaNet(nn.Cell):
         padded = _cast(padded, self.conv_t.dtype)
         out = padded[:, :s] * self.conv_taps[0]
         for j in range(1, self.kernel):
-            out = out + padded[:, j:j + s] * self.conv_taps[j]
+            out = out + padded[:, j : j + s] * self.conv_taps[j]
         return _silu(_cast(out, mixed.dtype)).reshape(b * s, c)
 
     def construct(self, x, b, s, cache):
@@ -518,8 +539,9 @@ class GatedDeltaNet(nn.Cell):
         neg_g = _mul(_softplus(_add(_cast(a, acc), self.dt_bias)), self.a)  # -g, the log decay's negation
         if step:
             q, k = q.reshape(b, nv, 1, dk), k.reshape(b, nv, 1, dk)
-            out, state = _recurrent_step(q, k, v.reshape(b, nv, 1, dv), _exp(neg_g).reshape(b, nv, 1, 1),
-                                         beta.reshape(b, nv, 1, 1), state)
+            out, state = _recurrent_step(
+                q, k, v.reshape(b, nv, 1, dv), _exp(neg_g).reshape(b, nv, 1, 1), beta.reshape(b, nv, 1, 1), state
+            )
         else:
             q, k = (t.reshape(b, s, nv, dk).transpose(0, 2, 1, 3) for t in (q, k))
             v = v.reshape(b, s, nv, dv).transpose(0, 2, 1, 3)
@@ -540,8 +562,9 @@ class MLP(nn.Cell):
     ``glu`` of the two halves is ``up * sigmoid(gate)``, times gate is the SwiGLU (two kernels
     instead of a split, a sigmoid and two products)."""
 
-    def __init__(self, weights: _Weights, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
-                 in_scale: np.ndarray = None):
+    def __init__(
+        self, weights: _Weights, gate: np.ndarray, up: np.ndarray, down: np.ndarray, in_scale: np.ndarray = None
+    ):
         super().__init__()
         self.inter = gate.shape[0]
         self.up_gate_t = weights.projection([up, gate], in_scale)
@@ -557,9 +580,13 @@ def _dense_mlp(weights: _Weights, prefix: str, hidden: int, inter: int, name: st
     """An MLP with this rank's block of the ``inter`` (config field ``name``) dims: gate/up rows,
     down columns (a partial output under tensor parallelism)."""
     block = weights.plan.block(inter, name)
-    return MLP(weights, weights.read(f"{prefix}.gate_proj.weight", (inter, hidden), 0, block),
-               weights.read(f"{prefix}.up_proj.weight", (inter, hidden), 0, block),
-               weights.read(f"{prefix}.down_proj.weight", (hidden, inter), 1, block), in_scale)
+    return MLP(
+        weights,
+        weights.read(f"{prefix}.gate_proj.weight", (inter, hidden), 0, block),
+        weights.read(f"{prefix}.up_proj.weight", (inter, hidden), 0, block),
+        weights.read(f"{prefix}.down_proj.weight", (hidden, inter), 1, block),
+        in_scale,
+    )
 
 
 class SparseMoE(nn.Cell):
@@ -577,10 +604,18 @@ class SparseMoE(nn.Cell):
         self.top_k = cfg.num_experts_per_tok
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         # router logits | shared expert gate logit, one matmul
-        self.route_t = weights.linear_t([(f"{prefix}.gate.weight", (self.num_experts, h)),
-                                         (f"{prefix}.shared_expert_gate.weight", (1, h))], in_scale)
-        self.shared_expert = _dense_mlp(weights, f"{prefix}.shared_expert", h, cfg.shared_expert_intermediate_size,
-                                        "shared_expert_intermediate_size", in_scale)
+        self.route_t = weights.linear_t(
+            [(f"{prefix}.gate.weight", (self.num_experts, h)), (f"{prefix}.shared_expert_gate.weight", (1, h))],
+            in_scale,
+        )
+        self.shared_expert = _dense_mlp(
+            weights,
+            f"{prefix}.shared_expert",
+            h,
+            cfg.shared_expert_intermediate_size,
+            "shared_expert_intermediate_size",
+            in_scale,
+        )
         self.acc = weights.acc
         e_all = self.num_experts
         start, stop = weights.plan.block(inter, "moe_intermediate_size")
@@ -592,13 +627,15 @@ class SparseMoE(nn.Cell):
             downs = weights.read(f"{prefix}.experts.down_proj", (e_all, h, inter), 2, (start, stop))
             experts = [MLP(weights, gates[e], ups[e], downs[e], in_scale) for e in range(e_all)]
         else:  # per-expert layout (what transformers 5.23 save_pretrained writes)
-            experts = [_dense_mlp(weights, f"{prefix}.experts.{e}", h, inter, "moe_intermediate_size", in_scale)
-                       for e in range(e_all)]
+            experts = [
+                _dense_mlp(weights, f"{prefix}.experts.{e}", h, inter, "moe_intermediate_size", in_scale)
+                for e in range(e_all)
+            ]
         self.experts = nn.CellList(experts)
 
     def construct(self, x):
         route = _matmul(x, self.route_t)
-        probs = ops.softmax(_cast(route[:, :self.num_experts], self.acc), -1)
+        probs = ops.softmax(_cast(route[:, : self.num_experts], self.acc), -1)
         weights, chosen = ops.topk(probs, self.top_k)
         weights = weights / weights.sum(-1, keepdims=True)  # transformers 5.23 always renormalises
         # host routing: slots (token, k) sorted by expert, so each expert sees one contiguous block
@@ -614,7 +651,7 @@ class SparseMoE(nn.Cell):
         routed = outputs[0] if len(outputs) == 1 else ops.concat(outputs, 0)
         routed = ops.gather(routed, Tensor(np.argsort(order).astype(np.int32)), 0).reshape(-1, self.top_k, x.shape[1])
         routed = (routed * _cast(weights, x.dtype)[..., None]).sum(1)
-        shared = _mul(self.shared_expert.construct(x), _sigmoid(route[:, self.num_experts:]))
+        shared = _mul(self.shared_expert.construct(x), _sigmoid(route[:, self.num_experts :]))
         return _add(routed, shared)
 
 
@@ -633,9 +670,13 @@ class DecoderLayer(nn.Cell):
             self.mixer = GatedAttention(cfg, weights, f"{prefix}.self_attn", layer_idx, input_scale)
         else:
             self.mixer = GatedDeltaNet(cfg, weights, f"{prefix}.linear_attn", layer_idx, input_scale)
-        self.mlp = (SparseMoE(cfg, weights, f"{prefix}.mlp", post_attention_scale) if cfg.is_moe else
-                    _dense_mlp(weights, f"{prefix}.mlp", h, cfg.intermediate_size, "intermediate_size",
-                               post_attention_scale))
+        self.mlp = (
+            SparseMoE(cfg, weights, f"{prefix}.mlp", post_attention_scale)
+            if cfg.is_moe
+            else _dense_mlp(
+                weights, f"{prefix}.mlp", h, cfg.intermediate_size, "intermediate_size", post_attention_scale
+            )
+        )
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         self.partial_sum = partial_sum
 
@@ -678,17 +719,20 @@ class Qwen3_5ForCausalLM(nn.Cell):
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         head_t = weights.vocab_rows(head, v, h).T
         self.head_columns = width = _block_width(head_t.shape[1], _HEAD_COLUMNS)
-        self.lm_head = ParameterTuple([weights.param(head_t[:, i:i + width], f"lm_head.{i // width}")
-                                       for i in range(0, head_t.shape[1], width)])
+        self.lm_head = ParameterTuple(
+            [weights.param(head_t[:, i : i + width], f"lm_head.{i // width}") for i in range(0, head_t.shape[1], width)]
+        )
         del head_t
-        self.embed_tokens = None if cfg.tie_word_embeddings else weights.param(
-            weights.vocab_rows("model.embed_tokens.weight", v, h))
+        self.embed_tokens = (
+            None if cfg.tie_word_embeddings else weights.param(weights.vocab_rows("model.embed_tokens.weight", v, h))
+        )
         self.partial_sum = _PartialSum(plan.tp, group)
         if plan.tp > 1:
             self.parallel_group = group
             self.vocab_parallel = True
-        self.layers = nn.CellList([DecoderLayer(cfg, weights, i, self.partial_sum)
-                                   for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.CellList(
+            [DecoderLayer(cfg, weights, i, self.partial_sum) for i in range(cfg.num_hidden_layers)]
+        )
         self.norm = Tensor(weights.norm_scale("model.norm.weight", h)[None])
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         # rotary frequencies over the whole head: [f, f] on the rotary dims, 0 (cos 1, sin 0) after
@@ -724,8 +768,10 @@ class Qwen3_5ForCausalLM(nn.Cell):
         blocks = host // self.head_columns
         order = np.argsort(blocks, kind="stable")
         local = host[order] - blocks[order] * self.head_columns
-        parts = [ops.gather(self.lm_head[int(block)], Tensor(local[blocks[order] == block]), 1)
-                 for block in np.unique(blocks)]
+        parts = [
+            ops.gather(self.lm_head[int(block)], Tensor(local[blocks[order] == block]), 1)
+            for block in np.unique(blocks)
+        ]
         if len(parts) == 1:  # one block: the ids are in their own order (every batch-1 decode step)
             return parts[0]
         return ops.gather(ops.concat(parts, 1), Tensor(np.argsort(order)), 1)
@@ -774,8 +820,12 @@ def _block_width(columns: int, most: int) -> int:
     return width + 64 if (width // 64) % 2 == 0 else width
 
 
-_MASK_MIN = {ms.float16: float(np.finfo(np.float16).min), ms.float32: float(np.finfo(np.float32).min),
-             ms.float64: float(np.finfo(np.float64).min), ms.bfloat16: -3.3895313892515355e38}
+_MASK_MIN = {
+    ms.float16: float(np.finfo(np.float16).min),
+    ms.float32: float(np.finfo(np.float32).min),
+    ms.float64: float(np.finfo(np.float64).min),
+    ms.bfloat16: -3.3895313892515355e38,
+}
 
 
 def _causal_mask(seq: int, past: int, total: int, dtype) -> Tensor:
@@ -794,11 +844,14 @@ def load(checkpoint, dtype: str = "float32", device=None, plan: TPPlan = None, g
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
-        raise ValueError("dtype 'bfloat16' is not supported by MindSpore on CPU (storage only); "
-                         "use float32, float16 or float64")
+        raise ValueError(
+            "dtype 'bfloat16' is not supported by MindSpore on CPU (storage only); use float32, float16 or float64"
+        )
     if checkpoint.architecture not in ARCHITECTURES:
-        raise ValueError(f"checkpoint {checkpoint.path!r} has architecture {checkpoint.architecture or None!r}; "
-                         f"supported: {', '.join(ARCHITECTURES)}")
+        raise ValueError(
+            f"checkpoint {checkpoint.path!r} has architecture {checkpoint.architecture or None!r}; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
     config = Qwen3_5Config.from_dict(checkpoint.config)
     check_tp(plan, config)  # every split, before any weight is read
     if plan.tp > 1:
@@ -814,7 +867,9 @@ def _check_group(plan: TPPlan, group) -> None:
     size, rank = ops_.world_size(group), ops_.rank(group)
     where = "the world group" if group is None else f"group {group!r}"
     if size != plan.tp:
-        raise ValueError(f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes "
-                         "(msrun --worker_num) and initialise communication before loading a tensor-parallel shard")
+        raise ValueError(
+            f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes "
+            "(msrun --worker_num) and initialise communication before loading a tensor-parallel shard"
+        )
     if rank != plan.rank:
         raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")

@@ -64,6 +64,7 @@ CHUNK_SIZE = 64  # Gated DeltaNet prefill chunk length (HF's)
 
 # --------------------------------------------------------------------------------------- norms
 
+
 class ZeroCentredRMSNorm(nn.Module):
     """``x / rms(x) * (1 + w)``, computed in float32 and cast back (HF Qwen3_5RMSNorm).
 
@@ -97,6 +98,7 @@ def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------- rotary
 
+
 def rotary_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
     """float32, exactly as HF computes them (the angles stay float32 for every model dtype)."""
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
@@ -120,6 +122,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # ---------------------------------------------------------------------------------- attention
 
+
 class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj emits, per head, [query (D) | gate (D)];
     output = o_proj(attention * sigmoid(gate)). Zero-centred q/k RMSNorm, partial rotary, GQA."""
@@ -132,7 +135,7 @@ class GatedAttention(nn.Module):
         self.num_heads = q_stop - q_start  # this rank's heads (all of them at tp 1)
         self.num_kv_heads = kv_stop - kv_start
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         d, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
         # (in, out) like every matrix here; columns: q_proj (per head [query | gate]) | k_proj | v_proj
         self.qkv_proj = nn.Parameter(torch.empty(config.hidden_size, 2 * h * d + 2 * kv * d))
@@ -163,16 +166,18 @@ class GatedAttention(nn.Module):
         if groups > 1 and s == 1:
             # decode: the query heads sharing a KV head become rows of one (no KV copy)
             out = F.scaled_dot_product_attention(
-                query.reshape(b, self.num_kv_heads, groups, d), key, value, attn_mask=mask, scale=self.scale)
+                query.reshape(b, self.num_kv_heads, groups, d), key, value, attn_mask=mask, scale=self.scale
+            )
             return out.reshape(b, h, 1, d)
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale,
-                                              enable_gqa=groups > 1)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=self.scale, enable_gqa=groups > 1
+        )
 
 
 # ------------------------------------------------------------------------------ Gated DeltaNet
 
-def chunk_gated_delta_rule(query, key, value, decay, beta, state: Optional[torch.Tensor],
-                           chunk_size: int = CHUNK_SIZE):
+
+def chunk_gated_delta_rule(query, key, value, decay, beta, state: Optional[torch.Tensor], chunk_size: int = CHUNK_SIZE):
     """Gated delta rule over a whole sequence, 64 positions at a time (HF torch_chunk_gated_delta_rule).
 
     query/key (B, H, S, Dk) float32, l2-normalised, query pre-scaled; value (B, H, S, Dv);
@@ -291,8 +296,9 @@ class GatedDeltaNet(nn.Module):
             cache.conv_states[self.layer_idx] = conv_state
             cache.recurrent_states[self.layer_idx] = recurrent_state
 
-        out = gated_rms_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
-                             self.norm_weight, self.eps)
+        out = gated_rms_norm(
+            out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps
+        )
         return out.reshape(b, s, self.value_dim) @ self.out_proj
 
     def _conv(self, mixed: torch.Tensor, state: Optional[torch.Tensor]):
@@ -304,7 +310,7 @@ class GatedDeltaNet(nn.Module):
             return F.silu(out), window[..., 1:]
         if state is None:
             out = F.conv1d(mixed, self.conv_weight.unsqueeze(1), padding=keep, groups=self.conv_dim)
-            out = out[..., :mixed.shape[-1]]
+            out = out[..., : mixed.shape[-1]]
             history = F.pad(mixed[..., -keep:], (max(keep - mixed.shape[-1], 0), 0))
         else:  # several new positions after cached ones (chunked prefill)
             full = torch.cat([state, mixed], dim=-1)
@@ -321,13 +327,15 @@ class GatedDeltaNet(nn.Module):
             key = key.repeat_interleave(groups, dim=2)
         query, key, value, beta, decay = (
             t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-            for t in (query, key, value, beta, decay))
+            for t in (query, key, value, beta, decay)
+        )
         query = l2_normalise(query)
         key = l2_normalise(key)
         if state is not None and query.shape[2] == 1:
             query = query / (query.shape[-1] ** 0.5)
-            out, state = recurrent_gated_delta_step(query[:, :, 0], key[:, :, 0], value[:, :, 0],
-                                                    decay[:, :, 0], beta[:, :, 0], state)
+            out, state = recurrent_gated_delta_step(
+                query[:, :, 0], key[:, :, 0], value[:, :, 0], decay[:, :, 0], beta[:, :, 0], state
+            )
             out = out.unsqueeze(2)
         else:
             query = query * query.shape[-1] ** -0.5
@@ -336,6 +344,7 @@ class GatedDeltaNet(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ MLP / MoE
+
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate_up columns: gate (I) | up (I)."""
@@ -363,8 +372,9 @@ class SparseMoE(nn.Module):
         self.router = nn.Parameter(torch.empty(h, e))
         self.experts_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # per expert columns: gate (I) | up (I)
         self.experts_down = nn.Parameter(torch.empty(e, i, h))
-        self.shared_expert = SwiGLU(h, _local(plan, config.shared_expert_intermediate_size,
-                                              "shared_expert_intermediate_size"))
+        self.shared_expert = SwiGLU(
+            h, _local(plan, config.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+        )
         self.shared_expert_gate = nn.Parameter(torch.empty(h, 1))
 
     def forward(self, x):
@@ -400,6 +410,7 @@ class SparseMoE(nn.Module):
 
 # -------------------------------------------------------------------------------------- model
 
+
 def _local(plan: TPPlan, total: int, name: str) -> int:
     start, stop = plan.block(total, name)
     return stop - start
@@ -426,8 +437,11 @@ class DecoderLayer(nn.Module):
         self.input_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mixer = (GatedDeltaNet if self.is_linear else GatedAttention)(config, layer_idx, plan)
         self.post_attention_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoE(config, plan) if config.is_moe else SwiGLU(
-            config.hidden_size, _local(plan, config.intermediate_size, "intermediate_size"))
+        self.mlp = (
+            SparseMoE(config, plan)
+            if config.is_moe
+            else SwiGLU(config.hidden_size, _local(plan, config.intermediate_size, "intermediate_size"))
+        )
         self.rank_sum = rank_sum
 
     def forward(self, x, cos, sin, attention_mask, cache, prompt_mask):
@@ -455,8 +469,9 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     supports_cache_object = True
 
-    def __init__(self, config: Qwen3_5Config, plan: TPPlan = TPPlan(), group=None):
+    def __init__(self, config: Qwen3_5Config, plan: Optional[TPPlan] = None, group=None):
         super().__init__()
+        plan = TPPlan.resolve(plan)
         self.config = config
         self.vocab_size = config.vocab_size
         self.tp_plan = plan
@@ -469,13 +484,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         # the embedding matrix transposed, (H, rows): a lookup gathers columns; when tied it is
         # also the LM head (one copy), read by ``hidden @ embed_tokens``
         self.embed_tokens = nn.Parameter(torch.empty(config.hidden_size, rows))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, plan, self.rank_sum)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, plan, self.rank_sum) for i in range(config.num_hidden_layers)
+        )
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         # (H, rows); None for tied checkpoints, whose head is ``embed_tokens``
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.hidden_size, rows))
-        self.register_buffer("inv_freq", torch.empty(config.rotary_dim // 2, dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer("inv_freq", torch.empty(config.rotary_dim // 2, dtype=torch.float32), persistent=False)
         self.generation_defaults: dict = {}
 
     @property
@@ -533,6 +548,7 @@ def causal_mask(seq: int, past: int, total: int, dtype: torch.dtype, device) -> 
 
 # ------------------------------------------------------------------------------------ loading
 
+
 def _matrix_layout(w_t: torch.Tensor) -> torch.Tensor:
     """The stored form of a weight given as the (in, out) transposed view of its (out, in) matrix.
 
@@ -582,8 +598,9 @@ class _Loader:
         self._check(name, shape)
         return [self.checkpoint.get_slice(name, axis, start, stop, self.read_dtype) for start, stop in ranges]
 
-    def rows(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0,
-             transpose: bool = False) -> torch.Tensor:
+    def rows(
+        self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0, transpose: bool = False
+    ) -> torch.Tensor:
         """Concatenate ranges along ``axis`` of several tensors: [(name, full_shape, [(start, stop), ...])]."""
         pieces = []
         for name, shape, ranges in parts:
@@ -599,8 +616,11 @@ class _Loader:
         ``vocab`` (padding) are zero."""
         start, stop = self.plan.vocab(vocab)
         self._check(name, (vocab, hidden))
-        real = self.checkpoint.get_slice(name, 0, start, min(stop, vocab), self.read_dtype) if start < vocab \
+        real = (
+            self.checkpoint.get_slice(name, 0, start, min(stop, vocab), self.read_dtype)
+            if start < vocab
             else np.zeros((0, hidden), self.read_dtype)
+        )
         if real.shape[0] < stop - start:
             real = np.concatenate([real, np.zeros((stop - start - real.shape[0], hidden), real.dtype)])
         return self._torch(real, transpose=True)
@@ -615,11 +635,13 @@ def _load_attention(ld: _Loader, p: str, config: Qwen3_5Config, state: dict, q: 
     h, kv, d, hid = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
     q_start, q_stop = ld.plan.block(h, "num_attention_heads")
     kv_start, kv_stop = ld.plan.kv_heads(kv, h)
-    state[q + "qkv_proj"] = ld.matrix([
-        (p + "q_proj.weight", (2 * h * d, hid), [(2 * d * q_start, 2 * d * q_stop)]),  # per head [query | gate]
-        (p + "k_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
-        (p + "v_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
-    ])
+    state[q + "qkv_proj"] = ld.matrix(
+        [
+            (p + "q_proj.weight", (2 * h * d, hid), [(2 * d * q_start, 2 * d * q_stop)]),  # per head [query | gate]
+            (p + "k_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
+            (p + "v_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
+        ]
+    )
     state[q + "o_proj"] = ld.matrix([(p + "o_proj.weight", (hid, h * d), [(q_start * d, q_stop * d)])], axis=1)
     for norm in ("q_norm", "k_norm"):
         state[q + norm + ".scale"] = _norm_scale(ld, p + norm + ".weight", d)
@@ -633,12 +655,17 @@ def _load_gated_deltanet(ld: _Loader, p: str, config: Qwen3_5Config, state: dict
     k_start, k_stop = ld.plan.block(hk, "linear_num_key_heads")
     v_start, v_stop = ld.plan.block(hv, "linear_num_value_heads")  # the value heads those key heads serve
     values = [(v_start * dv, v_stop * dv)]
-    qkv = [(k_start * dk, k_stop * dk), (key_dim + k_start * dk, key_dim + k_stop * dk),  # q | k | v segments
-           (2 * key_dim + v_start * dv, 2 * key_dim + v_stop * dv)]
-    state[q + "in_proj"] = ld.matrix([
-        (p + "in_proj_qkv.weight", (conv_dim, hid), qkv),
-        (p + "in_proj_z.weight", (value_dim, hid), values),
-    ])
+    qkv = [
+        (k_start * dk, k_stop * dk),
+        (key_dim + k_start * dk, key_dim + k_stop * dk),  # q | k | v segments
+        (2 * key_dim + v_start * dv, 2 * key_dim + v_stop * dv),
+    ]
+    state[q + "in_proj"] = ld.matrix(
+        [
+            (p + "in_proj_qkv.weight", (conv_dim, hid), qkv),
+            (p + "in_proj_z.weight", (value_dim, hid), values),
+        ]
+    )
     # b / a stay in HF's (out, in) memory in every dtype (an (in, out) view): x @ w is then exactly
     # HF's matmul, and the chunked delta rule amplifies a 1-ulp change of the decay to ~1e-5 in
     # float32 (these (Hv, H) matrices are too small for the layout to matter to speed)
@@ -656,10 +683,12 @@ def _load_gated_deltanet(ld: _Loader, p: str, config: Qwen3_5Config, state: dict
 
 def _load_swiglu(ld: _Loader, p: str, hidden: int, inter: int, state: dict, q: str, name: str) -> None:
     block = [ld.plan.block(inter, name)]
-    state[q + "gate_up_proj"] = ld.matrix([
-        (p + "gate_proj.weight", (inter, hidden), block),
-        (p + "up_proj.weight", (inter, hidden), block),
-    ])
+    state[q + "gate_up_proj"] = ld.matrix(
+        [
+            (p + "gate_proj.weight", (inter, hidden), block),
+            (p + "up_proj.weight", (inter, hidden), block),
+        ]
+    )
     state[q + "down_proj"] = ld.matrix([(p + "down_proj.weight", (hidden, inter), block)], axis=1)
 
 
@@ -669,21 +698,37 @@ def _load_moe(ld: _Loader, p: str, config: Qwen3_5Config, state: dict, q: str) -
     state[q + "router"] = ld.tensor(p + "gate.weight", (e, hid), transpose=True)
     if ld.checkpoint.has(p + "experts.gate_up_proj"):  # fused layout (HF's in-memory one)
         state[q + "experts_gate_up"] = ld.matrix(
-            [(p + "experts.gate_up_proj", (e, 2 * inter, hid), [(start, stop), (inter + start, inter + stop)])], axis=1)
+            [(p + "experts.gate_up_proj", (e, 2 * inter, hid), [(start, stop), (inter + start, inter + stop)])], axis=1
+        )
         state[q + "experts_down"] = ld.matrix([(p + "experts.down_proj", (e, hid, inter), [(start, stop)])], axis=2)
     else:  # per-expert layout (what save_pretrained writes)
-        gate_up = [np.concatenate([ld.pieces(f"{p}experts.{i}.{proj}.weight", (inter, hid), 0, [(start, stop)])[0]
-                                   for proj in ("gate_proj", "up_proj")]) for i in range(e)]
+        gate_up = [
+            np.concatenate(
+                [
+                    ld.pieces(f"{p}experts.{i}.{proj}.weight", (inter, hid), 0, [(start, stop)])[0]
+                    for proj in ("gate_proj", "up_proj")
+                ]
+            )
+            for i in range(e)
+        ]
         state[q + "experts_gate_up"] = ld._torch(np.stack(gate_up), transpose=True)
         down = [ld.pieces(f"{p}experts.{i}.down_proj.weight", (hid, inter), 1, [(start, stop)])[0] for i in range(e)]
         state[q + "experts_down"] = ld._torch(np.stack(down), transpose=True)
-    _load_swiglu(ld, p + "shared_expert.", hid, config.shared_expert_intermediate_size, state,
-                 q + "shared_expert.", "shared_expert_intermediate_size")
+    _load_swiglu(
+        ld,
+        p + "shared_expert.",
+        hid,
+        config.shared_expert_intermediate_size,
+        state,
+        q + "shared_expert.",
+        "shared_expert_intermediate_size",
+    )
     state[q + "shared_expert_gate"] = ld.tensor(p + "shared_expert_gate.weight", (1, hid), transpose=True)
 
 
-def load(checkpoint: Checkpoint, dtype: str = "float32", device=None, plan: Optional[TPPlan] = None,
-         group=None) -> Qwen3_5ForCausalLM:
+def load(
+    checkpoint: Checkpoint, dtype: str = "float32", device=None, plan: Optional[TPPlan] = None, group=None
+) -> Qwen3_5ForCausalLM:
     """Build the model from an opened checkpoint (``hyper_gen.models.checkpoint.Checkpoint``).
 
     ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
@@ -737,7 +782,8 @@ def _check_group(plan: TPPlan, group) -> None:
         raise ValueError(
             f"plan tp={plan.tp} needs an initialised torch.distributed process group: launch {plan.tp} processes "
             f"(torchrun --nproc_per_node {plan.tp}) and load with hyper_gen.load_model(..., tp={plan.tp}), which "
-            "joins the job")
+            "joins the job"
+        )
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     where = "the world group" if group is None else f"group {group!r}"
     if size != plan.tp:
