@@ -178,6 +178,7 @@ class MoEShard:
     shared_expert_gate: Piece  # (1, hidden), replicated
     shared_expert: MLPShard
     experts: Union[FusedExperts, Tuple[MLPShard, ...]]  # fused, or per expert (save_pretrained's layout)
+    intermediate: int  # this rank's block of each expert's moe_intermediate_size (local, like MLPShard's)
 
 
 def moe(config: Qwen3_5Config, plan: TPPlan, prefix: str, fused: bool) -> MoEShard:
@@ -205,6 +206,7 @@ def moe(config: Qwen3_5Config, plan: TPPlan, prefix: str, fused: bool) -> MoESha
             plan,
         ),
         experts=experts,
+        intermediate=stop - start,
     )
 
 

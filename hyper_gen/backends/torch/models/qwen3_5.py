@@ -6,41 +6,43 @@ and Gated DeltaNet conv/recurrent state into the ``StaticCache``/``DynamicCache`
 Numerics follow transformers 5.23 op for op where HF computes in float32 whatever the model
 dtype (zero-centred RMSNorm, rotary angles, router softmax, the whole gated delta rule with its
 float32 recurrent state): a float64 model then matches HF's float64 model bit for bit on CPU.
-Float32 matches to ~3e-5 on the tiny test models, where HF's chunked delta rule itself turns
-1-ulp input differences into ~1e-5 (its float32 cumulative decay loses precision when heads decay
-fast). Elsewhere it fuses: q|k|v of attention, q|k|v|z of Gated DeltaNet and gate|up of every MLP
-are one matmul each (bitwise the same as separate matmuls at real model sizes).
+Float32 matches HF closely but not bitwise: HF's chunked delta rule itself turns 1-ulp input
+differences into visible logit differences (its float32 cumulative decay loses precision when
+heads decay fast). Elsewhere it fuses: q|k|v of attention, q|k|v|z of Gated DeltaNet and gate|up
+of every MLP are one matmul each (bitwise the same as separate matmuls at real model sizes).
 
 Weights are (in, out) matrices and every projection is ``x @ w`` (the LM head too; the embedding
 is the (H, V) matrix, looked up by gathering columns, so a tied checkpoint keeps one copy). In
 float32 / float16 / bfloat16 they are (in, out)-contiguous: a batch-1 decode step is a stream of
 matrix-vector products bound by memory bandwidth, and MKL streams that layout faster on CPU than
-the (out, in) one ``F.linear`` reads (fp32, 2 threads: LM head 248320x1024 ~28 vs ~20 GB/s, layer
-matrices ~24 vs ~21 GB/s; a 0.8B decode step ~15% faster).
+the (out, in) one ``F.linear`` reads (measurements: ``docs/performance.md``).
 float64 keeps HF's (out, in) memory under the same (in, out) view, so it stays bit for bit HF's
-(``_matrix_layout``). Checkpoint slices (tensor parallelism) are taken in the checkpoint's
-(out, in) layout and transposed afterwards.
+(``_matrix_layout``).
+
+Weights are read only through the framework-neutral description
+``hyper_gen.models.qwen3_5.shards``: ``describe(checkpoint, config, plan)`` names every
+checkpoint tensor this rank reads and the ranges of it it keeps, and ``Checkpoint.read`` reads
+and shape-checks each one (a missing or misshaped tensor raises ValueError naming it). This
+module only lays the arrays out: fused matrices are the concatenation of their pieces' output
+rows in the checkpoint's (out, in) layout, transposed afterwards (``_Weights``).
 
 Tensor parallelism (``load(checkpoint, dtype, device, plan=TPPlan(tp, rank), group=None)``, under
-torchrun): each rank reads only its slices with ``Checkpoint.get_slice``, exactly as
-``hyper_gen.parallel.tp_plan.TPPlan`` assigns them (``plan.check`` runs before any weight is read).
-Every fused weight is assembled from named row segments (``_Loader.rows``), so a rank's q|k|v
-(attention), q|k|v|z (Gated DeltaNet) and gate|up (MLP, experts) are its slice of each segment:
-query(+gate) heads and K/V heads (K/V replicated when fewer than ranks), Gated DeltaNet key heads
-with their value heads (conv channels, b/a rows, A_log, dt_bias), MLP / expert / shared-expert
-intermediate dims; o_proj, out_proj and down_proj are split by columns (row-parallel). The router,
-the shared-expert gate and every norm weight are replicated. A decoder layer sums its mixer's and
-its MLP's partial outputs with one ``torch.distributed.all_reduce`` each; the vocab-parallel
-embedding (ids outside this rank's block masked, local lookup) with one more. The LM head returns
-this rank's block of ``plan.padded_vocab(V) // tp`` logits (rows past V are zero); the model's
-``parallel_group`` / ``vocab_parallel`` / ``vocab_size`` tell generate() to all-gather and trim
-them. Per decode step: ``2 * num_hidden_layers + 1`` all-reduces of (B, 1, hidden) and one
-all-gather of the (B, padded V / tp) logits (``hyper_gen.models.qwen3_5.tp_traffic``).
+torchrun): each rank reads only its pieces (``describe`` checks every split before any weight is
+read, and the split itself -- which heads, channels, intermediate dims and vocabulary rows a rank
+keeps -- is documented there), so a rank's q|k|v (attention), q|k|v|z (Gated DeltaNet) and
+gate|up (MLP, experts) are its slice of each segment, and o_proj, out_proj and down_proj are
+split by columns (row-parallel). A decoder layer sums its mixer's and its MLP's partial outputs
+with one ``torch.distributed.all_reduce`` each; the vocab-parallel embedding (ids outside this
+rank's block masked, local lookup) with one more. The LM head returns this rank's block of
+``plan.padded_vocab(V) // tp`` logits (rows past V are zero); the model's ``parallel_group`` /
+``vocab_parallel`` / ``vocab_size`` tell generate() to all-gather and trim them. Per decode step:
+``2 * num_hidden_layers + 1`` all-reduces of (B, 1, hidden) and one all-gather of the
+(B, padded V / tp) logits (``hyper_gen.models.qwen3_5.tp_traffic``).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional
 
 import numpy as np
 import torch
@@ -49,8 +51,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_gen.backends.torch.devices import npu_available
-from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
-from hyper_gen.models.qwen3_5 import Qwen3_5Config, check_tp
+from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
+from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
+from hyper_gen.models.qwen3_5.shards import (
+    EMBED_TOKENS,
+    AttentionShard,
+    FusedExperts,
+    GatedDeltaNetShard,
+    LayerShard,
+    MLPShard,
+    ModelShard,
+    MoEShard,
+    vocab_rows,
+)
 from hyper_gen.parallel.tp_plan import TPPlan
 
 TORCH_DTYPES = {
@@ -127,13 +140,11 @@ class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj emits, per head, [query (D) | gate (D)];
     output = o_proj(attention * sigmoid(gate)). Zero-centred q/k RMSNorm, partial rotary, GQA."""
 
-    def __init__(self, config: Qwen3_5Config, layer_idx: int, plan: TPPlan):
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: AttentionShard):
         super().__init__()
         self.layer_idx = layer_idx
-        q_start, q_stop = plan.block(config.num_attention_heads, "num_attention_heads")
-        kv_start, kv_stop = plan.kv_heads(config.num_key_value_heads, config.num_attention_heads)
-        self.num_heads = q_stop - q_start  # this rank's heads (all of them at tp 1)
-        self.num_kv_heads = kv_stop - kv_start
+        self.num_heads = shard.num_heads  # this rank's heads (all of them at tp 1)
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         d, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
@@ -243,19 +254,17 @@ class GatedDeltaNet(nn.Module):
     in_proj columns: q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv); b and a (Hv columns each)
     stay separate matmuls, over HF's (out, in) memory: fused, or (in, out)-contiguous, MKL rounds
     their few outputs differently from HF's own matmuls, and the chunked delta rule amplifies a
-    1-ulp change of the decay to ~1e-5 in the logits.
+    1-ulp change of the decay into a visible difference in the logits.
     The q|k|v part goes through a depthwise causal conv1d (kernel K) + SiLU; the conv state is
     the last K-1 pre-conv positions, (B, q|k|v channels, K-1). Recurrent state (B, Hv, Dk, Dv)
     in float32.
     """
 
-    def __init__(self, config: Qwen3_5Config, layer_idx: int, plan: TPPlan):
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: GatedDeltaNetShard):
         super().__init__()
         self.layer_idx = layer_idx
-        k_start, k_stop = plan.block(config.linear_num_key_heads, "linear_num_key_heads")
-        v_start, v_stop = plan.block(config.linear_num_value_heads, "linear_num_value_heads")
-        self.num_k_heads = k_stop - k_start  # this rank's heads (all of them at tp 1)
-        self.num_v_heads = v_stop - v_start
+        self.num_k_heads = shard.num_k_heads  # this rank's heads (all of them at tp 1)
+        self.num_v_heads = shard.num_v_heads
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
         self.kernel_size = config.linear_conv_kernel_dim
@@ -363,18 +372,15 @@ class SparseMoE(nn.Module):
     """Softmax top-k router (top-k weights renormalised), routed SwiGLU experts, and a shared
     SwiGLU expert scaled by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, config: Qwen3_5Config, plan: TPPlan):
+    def __init__(self, hidden_size: int, shard: MoEShard):
         super().__init__()
-        e, h = config.num_experts, config.hidden_size
-        i = _local(plan, config.moe_intermediate_size, "moe_intermediate_size")
+        e, h, i = shard.num_experts, hidden_size, shard.intermediate  # i: this rank's intermediate dims
         self.num_experts = e
-        self.top_k = config.num_experts_per_tok
+        self.top_k = shard.top_k
         self.router = nn.Parameter(torch.empty(h, e))
         self.experts_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # per expert columns: gate (I) | up (I)
         self.experts_down = nn.Parameter(torch.empty(e, i, h))
-        self.shared_expert = SwiGLU(
-            h, _local(plan, config.shared_expert_intermediate_size, "shared_expert_intermediate_size")
-        )
+        self.shared_expert = SwiGLU(h, shard.shared_expert.intermediate)
         self.shared_expert_gate = nn.Parameter(torch.empty(h, 1))
 
     def forward(self, x):
@@ -411,11 +417,6 @@ class SparseMoE(nn.Module):
 # -------------------------------------------------------------------------------------- model
 
 
-def _local(plan: TPPlan, total: int, name: str) -> int:
-    start, stop = plan.block(total, name)
-    return stop - start
-
-
 class RankSum:
     """Sums a row-parallel partial output over the tensor-parallel group in place (one
     all-reduce); the identity at tp 1. ``group`` None is the world group."""
@@ -431,17 +432,16 @@ class RankSum:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3_5Config, layer_idx: int, plan: TPPlan, rank_sum: RankSum):
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: LayerShard, rank_sum: RankSum):
         super().__init__()
-        self.is_linear = config.layer_types[layer_idx] == "linear_attention"
+        self.is_linear = shard.is_linear
         self.input_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mixer = (GatedDeltaNet if self.is_linear else GatedAttention)(config, layer_idx, plan)
+        self.mixer = (GatedDeltaNet if self.is_linear else GatedAttention)(config, layer_idx, shard.mixer)
         self.post_attention_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (
-            SparseMoE(config, plan)
-            if config.is_moe
-            else SwiGLU(config.hidden_size, _local(plan, config.intermediate_size, "intermediate_size"))
-        )
+        if isinstance(shard.mlp, MoEShard):
+            self.mlp = SparseMoE(config.hidden_size, shard.mlp)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, shard.mlp.intermediate)
         self.rank_sum = rank_sum
 
     def forward(self, x, cos, sin, attention_mask, cache, prompt_mask):
@@ -462,34 +462,34 @@ class Qwen3_5ForCausalLM(nn.Module):
     None (no cache, unpadded batch) and ``attention_mask``/``position_ids`` None (causal, no
     padding, positions continuing from the cache).
 
-    ``tp_plan`` is the ``TPPlan`` it was built for. With ``tp_plan.tp > 1`` it also has
+    It is built for one rank's ``ModelShard`` (``hyper_gen.models.qwen3_5.shards.describe``);
+    ``tp_plan`` is that shard's ``TPPlan``. With ``tp_plan.tp > 1`` it also has
     ``parallel_group`` (None: the world group) and ``vocab_parallel = True``: its logits are this
     rank's block of ``plan.padded_vocab(vocab_size) // tp`` columns, which generate() gathers.
     """
 
     supports_cache_object = True
 
-    def __init__(self, config: Qwen3_5Config, plan: Optional[TPPlan] = None, group=None):
+    def __init__(self, shard: ModelShard, group=None):
         super().__init__()
-        plan = TPPlan.resolve(plan)
+        config, plan = shard.config, shard.plan
         self.config = config
         self.vocab_size = config.vocab_size
         self.tp_plan = plan
         if plan.tp > 1:
             self.parallel_group = group
             self.vocab_parallel = True
-        self.vocab_start, vocab_stop = plan.vocab(config.vocab_size)
-        rows = vocab_stop - self.vocab_start
+        self.vocab_start, rows = shard.vocab_start, shard.vocab_stop - shard.vocab_start
         self.rank_sum = RankSum(plan.tp, group)
         # the embedding matrix transposed, (H, rows): a lookup gathers columns; when tied it is
         # also the LM head (one copy), read by ``hidden @ embed_tokens``
         self.embed_tokens = nn.Parameter(torch.empty(config.hidden_size, rows))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, plan, self.rank_sum) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, layer, self.rank_sum) for i, layer in enumerate(shard.layers)
         )
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         # (H, rows); None for tied checkpoints, whose head is ``embed_tokens``
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.hidden_size, rows))
+        self.lm_head = None if shard.lm_head is None else nn.Parameter(torch.empty(config.hidden_size, rows))
         self.register_buffer("inv_freq", torch.empty(config.rotary_dim // 2, dtype=torch.float32), persistent=False)
         self.generation_defaults: dict = {}
 
@@ -557,173 +557,90 @@ def _matrix_layout(w_t: torch.Tensor) -> torch.Tensor:
     reads (MKL's axpy-form gemv vs its dot-product form), so that is the layout for float32 /
     float16 / bfloat16. float64 is the bit-for-bit check against HF: it keeps
     HF's (out, in) memory, so ``x @ w`` is exactly ``F.linear`` (MKL sums the other layout in
-    another order, and the float32 islands -- norms, the delta rule -- turn that 1e-16 into 1e-5)."""
+    another order, and the float32 islands -- norms, the delta rule -- amplify that last-bit
+    difference into a visible one)."""
     return w_t if w_t.dtype == torch.float64 else w_t.contiguous()
 
 
-class _Loader:
-    """Checkpoint tensors -> torch tensors of the model dtype on the target device, each named
-    tensor's shape checked (a missing or misshaped tensor raises ValueError naming it).
+class _Weights:
+    """The pieces ``describe`` names -> torch tensors of the model dtype on the target device.
 
-    A weight split by ``plan`` is read with ``Checkpoint.get_slice``, one range at a time, so a
-    rank never reads another rank's part; replicated weights (norms, router) are read whole.
-    Slices and ranges are always those of the checkpoint's (out, in) layout; ``transpose=True``
-    turns the assembled matrix (the last two axes) into the model's (in, out) shape afterwards:
-    an (in, out)-contiguous copy, except in float64, where it stays a transposed view of the
-    (out, in) matrix (see ``_matrix_layout``)."""
+    Each piece is read (and shape-checked) by ``Checkpoint.read``, in float64 for a float64
+    model and float32 otherwise, then cast. A matrix is assembled in the checkpoint's (out, in)
+    layout -- a fused one is its pieces' output rows concatenated, in order -- and stored as
+    ``_matrix_layout`` of its (in, out) view."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device, plan: TPPlan):
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device):
         self.checkpoint = checkpoint
         self.dtype = dtype
         self.device = device
-        self.plan = plan
         self.read_dtype = "float64" if dtype == torch.float64 else "float32"
 
-    def _check(self, name: str, shape: Sequence[int]) -> None:
-        found = self.checkpoint.shape(name)  # raises for a missing tensor
-        if found != tuple(shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {found}, expected {tuple(shape)}")
+    def array(self, *pieces: Piece) -> np.ndarray:
+        """The pieces read and concatenated along their output rows (axis -2 of a matrix)."""
+        arrays = [self.checkpoint.read(piece, self.read_dtype) for piece in pieces]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-2)
 
-    def _torch(self, array: np.ndarray, transpose: bool = False) -> torch.Tensor:
-        tensor = torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
-        return _matrix_layout(tensor.transpose(-1, -2)) if transpose else tensor
+    def cast(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
 
-    def tensor(self, name: str, shape: Sequence[int], transpose: bool = False) -> torch.Tensor:
-        """A replicated tensor, whole."""
-        self._check(name, shape)
-        return self._torch(self.checkpoint.get(name, self.read_dtype), transpose)
+    def tensor(self, piece: Piece) -> torch.Tensor:
+        """A piece as it is (vectors, the conv kernel)."""
+        return self.cast(self.array(piece))
 
-    def pieces(self, name: str, shape: Sequence[int], axis: int, ranges: List[Tuple[int, int]]) -> List[np.ndarray]:
-        """``[start:stop)`` ranges along ``axis`` of one tensor, each read alone from disk."""
-        self._check(name, shape)
-        return [self.checkpoint.get_slice(name, axis, start, stop, self.read_dtype) for start, stop in ranges]
+    def matrix(self, *pieces: Piece) -> torch.Tensor:
+        """(out, in) pieces fused along their output rows, stored (in, out) for ``x @ w``."""
+        return self.transposed(self.array(*pieces))
 
-    def rows(
-        self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0, transpose: bool = False
-    ) -> torch.Tensor:
-        """Concatenate ranges along ``axis`` of several tensors: [(name, full_shape, [(start, stop), ...])]."""
-        pieces = []
-        for name, shape, ranges in parts:
-            pieces += self.pieces(name, shape, axis, ranges)
-        return self._torch(np.concatenate(pieces, axis=axis), transpose)
+    def transposed(self, array: np.ndarray) -> torch.Tensor:
+        """An (..., out, in) array stored as (..., in, out) (``_matrix_layout``)."""
+        return _matrix_layout(self.cast(array).transpose(-1, -2))
 
-    def matrix(self, parts: List[Tuple[str, Sequence[int], List[Tuple[int, int]]]], axis: int = 0) -> torch.Tensor:
-        """``rows`` of (out, in) checkpoint matrices, stored (in, out) for ``x @ w``."""
-        return self.rows(parts, axis, transpose=True)
-
-    def vocab_rows(self, name: str, vocab: int, hidden: int) -> torch.Tensor:
-        """This rank's block of embedding / LM-head rows, stored transposed (H, rows); rows past
-        ``vocab`` (padding) are zero."""
-        start, stop = self.plan.vocab(vocab)
-        self._check(name, (vocab, hidden))
-        real = (
-            self.checkpoint.get_slice(name, 0, start, min(stop, vocab), self.read_dtype)
-            if start < vocab
-            else np.zeros((0, hidden), self.read_dtype)
-        )
-        if real.shape[0] < stop - start:
-            real = np.concatenate([real, np.zeros((stop - start - real.shape[0], hidden), real.dtype)])
-        return self._torch(real, transpose=True)
+    def norm_scale(self, piece: Piece) -> torch.Tensor:
+        """``1 + w`` in float32 from w in the model dtype: what HF's zero-centred RMSNorm multiplies by."""
+        return 1.0 + self.tensor(piece).float()
 
 
-def _norm_scale(ld: _Loader, name: str, dim: int) -> torch.Tensor:
-    """``1 + w`` in float32 from w in the model dtype: what HF's zero-centred RMSNorm multiplies by."""
-    return 1.0 + ld.tensor(name, (dim,)).float()
+def _attention_state(w: _Weights, s: AttentionShard) -> dict:
+    return {
+        "qkv_proj": w.matrix(s.query_gate, s.key, s.value),  # q_proj (per head [query | gate]) | k | v
+        "o_proj": w.matrix(s.o_proj),
+        "q_norm.scale": w.norm_scale(s.q_norm),
+        "k_norm.scale": w.norm_scale(s.k_norm),
+    }
 
 
-def _load_attention(ld: _Loader, p: str, config: Qwen3_5Config, state: dict, q: str) -> None:
-    h, kv, d, hid = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
-    q_start, q_stop = ld.plan.block(h, "num_attention_heads")
-    kv_start, kv_stop = ld.plan.kv_heads(kv, h)
-    state[q + "qkv_proj"] = ld.matrix(
-        [
-            (p + "q_proj.weight", (2 * h * d, hid), [(2 * d * q_start, 2 * d * q_stop)]),  # per head [query | gate]
-            (p + "k_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
-            (p + "v_proj.weight", (kv * d, hid), [(kv_start * d, kv_stop * d)]),
-        ]
-    )
-    state[q + "o_proj"] = ld.matrix([(p + "o_proj.weight", (hid, h * d), [(q_start * d, q_stop * d)])], axis=1)
-    for norm in ("q_norm", "k_norm"):
-        state[q + norm + ".scale"] = _norm_scale(ld, p + norm + ".weight", d)
-
-
-def _load_gated_deltanet(ld: _Loader, p: str, config: Qwen3_5Config, state: dict, q: str) -> None:
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv, hid = config.linear_key_head_dim, config.linear_value_head_dim, config.hidden_size
-    key_dim, value_dim = hk * dk, hv * dv
-    conv_dim = 2 * key_dim + value_dim
-    k_start, k_stop = ld.plan.block(hk, "linear_num_key_heads")
-    v_start, v_stop = ld.plan.block(hv, "linear_num_value_heads")  # the value heads those key heads serve
-    values = [(v_start * dv, v_stop * dv)]
-    qkv = [
-        (k_start * dk, k_stop * dk),
-        (key_dim + k_start * dk, key_dim + k_stop * dk),  # q | k | v segments
-        (2 * key_dim + v_start * dv, 2 * key_dim + v_stop * dv),
-    ]
-    state[q + "in_proj"] = ld.matrix(
-        [
-            (p + "in_proj_qkv.weight", (conv_dim, hid), qkv),
-            (p + "in_proj_z.weight", (value_dim, hid), values),
-        ]
-    )
+def _gated_deltanet_state(w: _Weights, s: GatedDeltaNetShard) -> dict:
+    state = {"in_proj": w.matrix(s.qkv, s.z)}  # q | k | v | z
     # b / a stay in HF's (out, in) memory in every dtype (an (in, out) view): x @ w is then exactly
-    # HF's matmul, and the chunked delta rule amplifies a 1-ulp change of the decay to ~1e-5 in
-    # float32 (these (Hv, H) matrices are too small for the layout to matter to speed)
-    state[q + "in_proj_b"] = ld.rows([(p + "in_proj_b.weight", (hv, hid), [(v_start, v_stop)])]).t()
-    state[q + "in_proj_a"] = ld.rows([(p + "in_proj_a.weight", (hv, hid), [(v_start, v_stop)])]).t()
-    kernel = config.linear_conv_kernel_dim
-    conv = ld.rows([(p + "conv1d.weight", (conv_dim, 1, kernel), qkv)])
-    state[q + "conv_weight"] = conv.reshape(conv.shape[0], kernel)
-    state[q + "dt_bias"] = ld.rows([(p + "dt_bias", (hv,), [(v_start, v_stop)])])
-    a_log = ld.rows([(p + "A_log", (hv,), [(v_start, v_stop)])])  # model dtype first, then float32 as HF
-    state[q + "neg_decay_rate"] = -a_log.float().exp()
-    state[q + "norm_weight"] = ld.tensor(p + "norm.weight", (dv,))  # per head dim: replicated
-    state[q + "out_proj"] = ld.matrix([(p + "out_proj.weight", (hid, value_dim), values)], axis=1)
+    # HF's matmul, and the chunked delta rule amplifies a 1-ulp change of the decay into a visible
+    # one in float32 (these (Hv, H) matrices are too small for the layout to matter to speed)
+    state["in_proj_b"] = w.tensor(s.b).t()
+    state["in_proj_a"] = w.tensor(s.a).t()
+    conv = w.tensor(s.conv)  # (q|k|v channels, 1, kernel)
+    state["conv_weight"] = conv.reshape(conv.shape[0], conv.shape[-1])
+    state["dt_bias"] = w.tensor(s.dt_bias)
+    state["neg_decay_rate"] = -w.tensor(s.a_log).float().exp()  # model dtype first, then float32 as HF
+    state["norm_weight"] = w.tensor(s.norm)
+    state["out_proj"] = w.matrix(s.out_proj)
+    return state
 
 
-def _load_swiglu(ld: _Loader, p: str, hidden: int, inter: int, state: dict, q: str, name: str) -> None:
-    block = [ld.plan.block(inter, name)]
-    state[q + "gate_up_proj"] = ld.matrix(
-        [
-            (p + "gate_proj.weight", (inter, hidden), block),
-            (p + "up_proj.weight", (inter, hidden), block),
-        ]
-    )
-    state[q + "down_proj"] = ld.matrix([(p + "down_proj.weight", (hidden, inter), block)], axis=1)
+def _swiglu_state(w: _Weights, s: MLPShard) -> dict:
+    return {"gate_up_proj": w.matrix(s.gate, s.up), "down_proj": w.matrix(s.down)}
 
 
-def _load_moe(ld: _Loader, p: str, config: Qwen3_5Config, state: dict, q: str) -> None:
-    e, hid, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    start, stop = ld.plan.block(inter, "moe_intermediate_size")
-    state[q + "router"] = ld.tensor(p + "gate.weight", (e, hid), transpose=True)
-    if ld.checkpoint.has(p + "experts.gate_up_proj"):  # fused layout (HF's in-memory one)
-        state[q + "experts_gate_up"] = ld.matrix(
-            [(p + "experts.gate_up_proj", (e, 2 * inter, hid), [(start, stop), (inter + start, inter + stop)])], axis=1
-        )
-        state[q + "experts_down"] = ld.matrix([(p + "experts.down_proj", (e, hid, inter), [(start, stop)])], axis=2)
-    else:  # per-expert layout (what save_pretrained writes)
-        gate_up = [
-            np.concatenate(
-                [
-                    ld.pieces(f"{p}experts.{i}.{proj}.weight", (inter, hid), 0, [(start, stop)])[0]
-                    for proj in ("gate_proj", "up_proj")
-                ]
-            )
-            for i in range(e)
-        ]
-        state[q + "experts_gate_up"] = ld._torch(np.stack(gate_up), transpose=True)
-        down = [ld.pieces(f"{p}experts.{i}.down_proj.weight", (hid, inter), 1, [(start, stop)])[0] for i in range(e)]
-        state[q + "experts_down"] = ld._torch(np.stack(down), transpose=True)
-    _load_swiglu(
-        ld,
-        p + "shared_expert.",
-        hid,
-        config.shared_expert_intermediate_size,
-        state,
-        q + "shared_expert.",
-        "shared_expert_intermediate_size",
-    )
-    state[q + "shared_expert_gate"] = ld.tensor(p + "shared_expert_gate.weight", (1, hid), transpose=True)
+def _moe_state(w: _Weights, s: MoEShard) -> dict:
+    state = {"router": w.matrix(s.router)}
+    if isinstance(s.experts, FusedExperts):  # (E, 2I, H) / (E, H, I): HF's in-memory layout
+        state["experts_gate_up"] = w.matrix(s.experts.gate, s.experts.up)
+        state["experts_down"] = w.matrix(s.experts.down)
+    else:  # per expert (what save_pretrained writes), stacked
+        state["experts_gate_up"] = w.transposed(np.stack([w.array(e.gate, e.up) for e in s.experts]))
+        state["experts_down"] = w.transposed(np.stack([w.array(e.down) for e in s.experts]))
+    state.update({f"shared_expert.{k}": v for k, v in _swiglu_state(w, s.shared_expert).items()})
+    state["shared_expert_gate"] = w.matrix(s.shared_expert_gate)
+    return state
 
 
 def load(
@@ -734,7 +651,6 @@ def load(
     ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
     model); ``group``: the torch.distributed group of the ``tp`` ranks (None: the world group,
     whose size and this process's rank must then be ``tp`` and ``plan.rank``)."""
-    plan = TPPlan.resolve(plan)
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
     if str(device).startswith("npu") and not npu_available():
@@ -744,31 +660,29 @@ def load(
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device {device!r} is not a torch device: {error}") from None
     config = Qwen3_5Config.from_dict(checkpoint.config)
-    check_tp(plan, config)  # every split, before any weight is read
-    if plan.tp > 1:
-        _check_group(plan, group)
-    ld = _Loader(checkpoint, TORCH_DTYPES[dtype], device, plan)
-    hid = config.hidden_size
+    shard = describe(checkpoint, config, plan)  # every split checked, before any weight is read
+    if shard.plan.tp > 1:
+        _check_group(shard.plan, group)
+    w = _Weights(checkpoint, TORCH_DTYPES[dtype], device)
 
-    state = {"embed_tokens": ld.vocab_rows("model.embed_tokens.weight", config.vocab_size, hid)}
-    if not config.tie_word_embeddings:
-        state["lm_head"] = ld.vocab_rows("lm_head.weight", config.vocab_size, hid)
-    state["norm.scale"] = _norm_scale(ld, "model.norm.weight", hid)
-    for i, kind in enumerate(config.layer_types):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        for norm, ours in (("input_layernorm", "input_norm"), ("post_attention_layernorm", "post_attention_norm")):
-            state[f"{q}{ours}.scale"] = _norm_scale(ld, f"{p}{norm}.weight", hid)
-        if kind == "linear_attention":
-            _load_gated_deltanet(ld, p + "linear_attn.", config, state, q + "mixer.")
+    state = {"embed_tokens": w.transposed(vocab_rows(checkpoint, shard, EMBED_TOKENS, w.read_dtype))}
+    if shard.lm_head is not None:
+        state["lm_head"] = w.transposed(vocab_rows(checkpoint, shard, shard.lm_head, w.read_dtype))
+    state["norm.scale"] = w.norm_scale(shard.final_norm)
+    for i, layer in enumerate(shard.layers):
+        q = f"layers.{i}."
+        state[q + "input_norm.scale"] = w.norm_scale(layer.input_norm)
+        state[q + "post_attention_norm.scale"] = w.norm_scale(layer.post_attention_norm)
+        if isinstance(layer.mixer, GatedDeltaNetShard):
+            mixer = _gated_deltanet_state(w, layer.mixer)
         else:
-            _load_attention(ld, p + "self_attn.", config, state, q + "mixer.")
-        if config.is_moe:
-            _load_moe(ld, p + "mlp.", config, state, q + "mlp.")
-        else:
-            _load_swiglu(ld, p + "mlp.", hid, config.intermediate_size, state, q + "mlp.", "intermediate_size")
+            mixer = _attention_state(w, layer.mixer)
+        mlp = _moe_state(w, layer.mlp) if isinstance(layer.mlp, MoEShard) else _swiglu_state(w, layer.mlp)
+        state.update({q + "mixer." + k: v for k, v in mixer.items()})
+        state.update({q + "mlp." + k: v for k, v in mlp.items()})
 
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config, plan, group)
+        model = Qwen3_5ForCausalLM(shard, group)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rope_theta).to(device)
     model.requires_grad_(False)
