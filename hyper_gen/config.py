@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Union
+
+import numpy as np
 
 CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
@@ -13,7 +17,9 @@ CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 class GenerationConfig:
     """What to generate and how; every field is checked in ``__post_init__``.
 
-    Defaults follow the HyperParallel RFC (``eos_token_id=2``, ``pad_token_id=0``, greedy).
+    Defaults follow the HyperParallel RFC (``eos_token_id=2``, ``pad_token_id=0``, greedy), but
+    generate() fills every field the caller did not set from the model's own generation settings
+    first, as HF does (see :func:`resolve_config`); ``explicit_fields`` are the ones set.
     ``eos_token_id`` may be an int, a list of ints or None (never stop early).
     ``seed=None`` draws with the framework RNG exactly as HF does; ``seed=<int>`` draws with
     portable host noise, identical on every backend and parallel layout.
@@ -43,7 +49,7 @@ class GenerationConfig:
                 f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"
             )
         _check_number("temperature", self.temperature)
-        if not self.temperature > 0:
+        if not self.temperature > 0:  # the RFC's rule; the CLI maps --temperature 0 to greedy
             raise ValueError(f"temperature must be > 0 (use do_sample=False for greedy), got {self.temperature}")
         _check_int("top_k", self.top_k, minimum=0)
         _check_number("top_p", self.top_p)
@@ -63,10 +69,17 @@ class GenerationConfig:
         self.eos_token_id = _normalize_eos(self.eos_token_id)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
+            if self.seed >= 2**64:
+                raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
             raise ValueError(
                 f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {self.cache_implementation!r}"
             )
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "pad_token_id", "seed"):
+            if getattr(self, name) is not None:
+                setattr(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            setattr(self, name, float(getattr(self, name)))
         for name in ("logits_processor", "stopping_criteria"):
             callables = getattr(self, name)
             if callables is None:
@@ -90,25 +103,54 @@ class GenerationConfig:
             else [self.eos_token_id]
         )
 
+    @property
+    def explicit_fields(self) -> frozenset:
+        """The fields given to the constructor or to ``replace``: they beat the model's defaults."""
+        return getattr(self, "_explicit", frozenset())
+
     def replace(self, **overrides) -> "GenerationConfig":
         """A copy with ``overrides`` applied (validated); unknown names raise ``TypeError``."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"unknown generation option(s) {unknown}; valid options are {sorted(known)}")
-        return dataclasses.replace(self, **overrides)
+        _check_names(overrides)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(overrides)
+        copy = GenerationConfig(**values)
+        copy._explicit = self.explicit_fields | frozenset(overrides)
+        return copy
+
+
+_dataclass_init = GenerationConfig.__init__
+
+
+def _init_recording_explicit(self, *args, **kwargs):
+    _dataclass_init(self, *args, **kwargs)
+    names = [f.name for f in dataclasses.fields(GenerationConfig)]
+    self._explicit = frozenset(names[: len(args)]) | frozenset(kwargs)
+
+
+GenerationConfig.__init__ = _init_recording_explicit
+GenerationConfig.__init__.__doc__ = _dataclass_init.__doc__
+FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
+
+
+def _check_names(options: dict) -> None:
+    unknown = sorted(set(options) - set(FIELDS))
+    if unknown:
+        raise TypeError(f"unknown generation option(s) {unknown}; valid options are {sorted(FIELDS)}")
 
 
 def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
+    """Python or numpy integers (not bools); fields are stored back as plain ints by the caller."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _check_number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
 
 
 def _normalize_eos(eos: Optional[Union[int, Sequence[int]]]):
@@ -119,18 +161,67 @@ def _normalize_eos(eos: Optional[Union[int, Sequence[int]]]):
             raise ValueError("eos_token_id must not be an empty list (use None to disable EOS)")
         for item in eos:
             _check_int("eos_token_id", item, minimum=0)
-        return list(eos)
+        return [int(item) for item in eos]
     _check_int("eos_token_id", eos, minimum=0)
-    return eos
+    return int(eos)
 
 
-def resolve_config(generation_config: Optional[GenerationConfig], overrides: dict) -> GenerationConfig:
-    """The config a call runs with: the given one (or the defaults) with keyword overrides applied."""
-    if generation_config is None:
-        generation_config = GenerationConfig()
-    elif not isinstance(generation_config, GenerationConfig):
+# the HF generation_config fields generate() takes from a model when the caller did not set them
+_HF_FIELDS = (
+    "eos_token_id",
+    "pad_token_id",
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+)
+
+
+def model_defaults(model) -> dict:
+    """The model's own generation settings, as HF ``generate`` would take them.
+
+    Native models carry ``generation_defaults`` (eos/pad from the checkpoint's
+    generation_config.json); HF models their ``generation_config``, of which only the fields it
+    sets away from HF's own defaults count (``to_diff_dict``), as in HF. When the model names an
+    EOS but no pad id, finished rows are padded with the first EOS id, as HF does."""
+    found = {}
+    native = getattr(model, "generation_defaults", None)
+    if isinstance(native, dict):
+        found.update({k: v for k, v in native.items() if k in FIELDS and v is not None})
+    hf_config = getattr(model, "generation_config", None)
+    if hf_config is not None and hasattr(hf_config, "to_diff_dict"):
+        diff = hf_config.to_diff_dict()
+        for name in _HF_FIELDS:
+            value = diff.get(name, getattr(hf_config, name, None) if name.endswith("token_id") else None)
+            if value is not None:
+                found[name] = value
+    if found.get("pad_token_id") is None and found.get("eos_token_id") is not None:
+        eos = found["eos_token_id"]
+        found["pad_token_id"] = eos[0] if isinstance(eos, (list, tuple)) else eos
+    if isinstance(found.get("eos_token_id"), tuple):
+        found["eos_token_id"] = list(found["eos_token_id"])
+    return found
+
+
+def resolve_config(generation_config: Optional[GenerationConfig], overrides: dict, model=None) -> GenerationConfig:
+    """The config a call runs with, HF's precedence: keyword overrides > the fields the passed
+    config sets explicitly > the model's own settings (:func:`model_defaults`) > the defaults."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise TypeError(f"generation_config must be a GenerationConfig, got {type(generation_config).__name__}")
-    return generation_config.replace(**overrides) if overrides else generation_config
+    _check_names(overrides)
+    values = model_defaults(model) if model is not None else {}
+    if generation_config is not None:
+        values.update({name: getattr(generation_config, name) for name in generation_config.explicit_fields})
+    values.update(overrides)
+    try:
+        return GenerationConfig(**values)
+    except (TypeError, ValueError) as error:
+        if generation_config is None and not overrides and model is not None:
+            raise ValueError(f"the model's generation settings are invalid: {error}") from None
+        raise
 
 
 __all__ = ["GenerationConfig", "resolve_config", "CACHE_IMPLEMENTATIONS"]

@@ -45,7 +45,7 @@ def generate(
     """
     if model is None or not callable(model):
         raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
-    config = resolve_config(generation_config, config_overrides)
+    config = resolve_config(generation_config, config_overrides, model)
     ops = backend_for(model, input_ids)
     prompt = prepare_prompts(input_ids, attention_mask)
     check_consistent_inputs(ops, model, prompt, config)

@@ -15,7 +15,7 @@ import time
 
 from tqdm import tqdm
 
-from .common import completions
+from .common import Interrupted, completions
 
 
 def read_prompts(path: str):
@@ -92,6 +92,12 @@ def run_jsonl(model, tokenizer, config, input_path: str, output_path: str, batch
                 os.fsync(out.fileno())
             progress.update(len(batch))
             progress.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
+    except KeyboardInterrupt:
+        finished = progress.n
+        raise Interrupted(
+            f"interrupted after {finished} of {len(rows)} rows; {output_path!r} keeps every finished row: "
+            "run the same command again to resume"
+        ) from None
     finally:
         progress.close()
         if out is not None:

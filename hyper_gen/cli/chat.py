@@ -29,11 +29,14 @@ def format_conversation(tokenizer, messages) -> str:
 
 
 def _read_user_line():
-    try:
-        line = input("User: ")
-    except EOFError:
-        return None
-    return None if line.strip().lower() in EXIT_WORDS else line
+    """The next non-empty line (blank lines are ignored), None at EOF or an exit word."""
+    while True:
+        try:
+            line = input("User: ")
+        except EOFError:
+            return None
+        if line.strip():
+            return None if line.strip().lower() in EXIT_WORDS else line
 
 
 def run_chat(args) -> int:

@@ -5,6 +5,7 @@ loading a model with its tokenizer. Subcommands import this module; nothing here
 from __future__ import annotations
 
 import os
+import re
 
 from hyper_gen import registry
 from hyper_gen.config import GenerationConfig
@@ -18,72 +19,128 @@ class UsageError(Exception):
     """A problem the user can fix; printed as one line, exit status 2."""
 
 
+class Interrupted(Exception):
+    """Ctrl-C: printed as one line (saying how to resume, where there is something to resume)."""
+
+
 def add_model_flags(parser):
-    parser.add_argument("--model", default=None, help="HF checkpoint folder (default: the bundled demo model)")
-    parser.add_argument("--backend", default="torch", help="torch | mindspore (default torch)")
-    parser.add_argument("--dtype", default="float32", help="float32 | float64 | float16 | bfloat16")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (under torchrun / msrun)")
+    parser.add_argument("--model", default=None, help="local HF checkpoint folder (default: the bundled demo model)")
+    parser.add_argument("--backend", default="torch", help="torch | mindspore (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", default="float32", help="float32 | float64 | float16 | bfloat16 (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun / msrun (default: %(default)s)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the frameworks' own log messages")
 
 
-def add_sampling_flags(parser):
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--do-sample", action="store_true")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=50)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None, help="portable seeded sampling (same tokens everywhere)")
+def add_sampling_flags(parser, max_new_tokens: int = 64):
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate at most (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--do-sample", action="store_true", help="sample (implied by --temperature > 0, --top-k, --top-p, --min-p)"
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1.0 when sampling)")
+    parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: 50)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1.0)")
+    parser.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top (default: 0)")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help="HF's penalty (default: 1.0)")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="portable seeded sampling: the same tokens on every backend"
+    )
+
+
+# flag -> GenerationConfig field; any of these given implies sampling, as vLLM users expect
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
 
 def generation_config(args, defaults: dict) -> GenerationConfig:
-    """The config the flags ask for, with the checkpoint's eos/pad ids; rejected values -> UsageError."""
+    """The config the flags ask for, with the checkpoint's eos/pad ids; rejected values -> UsageError.
+
+    ``--temperature 0`` is greedy; any other sampling flag samples (``--do-sample`` is implied)."""
+    values = {"max_new_tokens": args.max_new_tokens, "seed": args.seed}
+    for name in ("eos_token_id", "pad_token_id"):
+        values[name] = defaults.get(name)
+    values["pad_token_id"] = values["pad_token_id"] if values["pad_token_id"] is not None else 0
+    if args.repetition_penalty is not None:
+        values["repetition_penalty"] = args.repetition_penalty
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    if given.get("temperature") is not None and given["temperature"] < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {given['temperature']}")
+    greedy = given.get("temperature") == 0
+    if greedy:
+        del given["temperature"]
+    values.update(given)
+    values["do_sample"] = not greedy and (args.do_sample or bool(given))
     try:
-        return GenerationConfig(
-            max_new_tokens=args.max_new_tokens,
-            do_sample=args.do_sample,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            seed=args.seed,
-            eos_token_id=defaults.get("eos_token_id"),
-            pad_token_id=defaults.get("pad_token_id", 0),
-        )
+        return GenerationConfig(**values)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 
 
-def load_tokenizer(path: str):
-    if not any(
-        os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer.model", "vocab.json")
-    ):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer_files(path: str) -> None:
+    """The tokenizer files, checked before any weight is read (the tokenizer loads after the model)."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise UsageError(f"model path {path!r} has no tokenizer (tokenizer.json)")
+    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        raise UsageError(
+            f"model path {path!r} has no tokenizer_config.json: without it the special tokens, padding side "
+            "and chat template are unknown and the output would silently change"
+        )
+
+
+def load_tokenizer(path: str):
+    check_tokenizer_files(path)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise UsageError(f"cannot load the tokenizer in {path!r}: {str(exc).splitlines()[0]}") from None
     tokenizer.padding_side = "left"
     return tokenizer
 
 
+def model_path(args) -> str:
+    """The checkpoint folder the flags name, checked before anything is loaded."""
+    path = args.model or demo_model_path()
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        raise UsageError(
+            f"model path {path!r} is not a local folder: hyper_gen reads weights from a local checkpoint folder; "
+            f"download it first (e.g. huggingface-cli download {path} --local-dir DIR) and pass --model DIR"
+        )
+    if not os.path.exists(path):
+        raise UsageError(f"model path {path!r} does not exist")
+    raise UsageError(f"model path {path!r} is not an HF checkpoint folder (no config.json)")
+
+
 def load_everything(args):
-    """(model, tokenizer, token-id defaults) for the flags; errors a user can fix -> UsageError."""
+    """(model, tokenizer, token-id defaults) for the flags; errors a user can fix -> UsageError.
+
+    The model loads before the tokenizer, so a clear load_model error is never hidden behind a
+    tokenizer traceback; the tokenizer files are checked first all the same (cheap)."""
     if args.backend not in registry.names():
         raise UsageError(f"unknown backend {args.backend!r}; choose one of {', '.join(registry.names())}")
-    path = args.model or demo_model_path()
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"model path {path!r} is not an HF checkpoint folder (no config.json)")
-    tokenizer = load_tokenizer(path)
+    if args.tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    path = model_path(args)
+    check_tokenizer_files(path)
     from hyper_gen.models.loading import load_model
 
     if args.tp > 1 or launched_multi_rank():
         init_distributed(args.backend)
     try:
-        kwargs = {"tp": args.tp} if args.tp > 1 else {}
-        model = load_model(path, backend=args.backend, dtype=args.dtype, **kwargs)
+        model = load_model(path, backend=args.backend, dtype=args.dtype, tp=args.tp)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    tokenizer = load_tokenizer(path)
     defaults = dict(getattr(model, "generation_defaults", {}) or {})
     if defaults.get("eos_token_id") is None and tokenizer.eos_token_id is not None:
         defaults["eos_token_id"] = tokenizer.eos_token_id

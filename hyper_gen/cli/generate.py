@@ -19,6 +19,9 @@ def run_generate(args) -> int:
         raise UsageError("--input needs --output FILE.jsonl")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for prompt in args.prompt:
+        if not prompt.strip():
+            raise UsageError(f"--prompt must not be empty, got {prompt!r}")
     if args.input and not os.path.isfile(args.input):
         raise UsageError(f"--input file {args.input!r} does not exist")
     model, tokenizer, defaults = load_everything(args)

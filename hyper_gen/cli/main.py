@@ -7,33 +7,43 @@ rejected flag) print one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from hyper_gen import registry
+from hyper_gen import __version__, registry
 from hyper_gen.parallel.launcher import launched_multi_rank, shutdown_distributed
 
 from .chat import run_chat
-from .common import UsageError, add_model_flags, add_sampling_flags
+from .common import Interrupted, UsageError, add_model_flags, add_sampling_flags
 from .generate import run_generate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyper-gen", description="One generate() for PyTorch and MindSpore models.")
+    parser.add_argument("--version", action="version", version=f"hyper-gen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts, or a JSONL file of prompts")
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--input", help='JSONL file with {"id": ..., "prompt": ...} per line')
     gen.add_argument("--output", help="JSONL file to append results to (resumable)")
-    gen.add_argument("--batch-size", type=int, default=8)
+    gen.add_argument("--batch-size", type=int, default=8, help="prompts per batch (default: %(default)s)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     add_model_flags(gen)
     add_sampling_flags(gen)
     chat = sub.add_parser("chat", help="interactive streaming chat (rank 0 reads stdin)")
     add_model_flags(chat)
-    add_sampling_flags(chat)
-    chat.set_defaults(max_new_tokens=128)
+    add_sampling_flags(chat, max_new_tokens=128)
     sub.add_parser("bench", help="benchmarks against HF generate and the roofline", add_help=False)
     return parser
+
+
+def quiet_framework_logs() -> None:
+    """Errors only from the frameworks' C++ logs (MindSpore's glog: ``GLOG_v``), unless ``-v``.
+
+    Set before a backend is imported, which is when MindSpore reads it; a value the user exported
+    wins. transformers' own warnings go the same way."""
+    os.environ.setdefault("GLOG_v", "3")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def main(argv=None) -> int:
@@ -44,6 +54,8 @@ def main(argv=None) -> int:
         bench_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
+    if not args.verbose:
+        quiet_framework_logs()
     try:
         if args.command == "generate":
             return run_generate(args)
@@ -51,6 +63,9 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"hyper-gen: error: {exc}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Interrupted) as exc:
+        print(f"hyper-gen: {exc or 'interrupted'}", file=sys.stderr)
+        return 130
     finally:
         if launched_multi_rank() and args.backend in registry.names():
             shutdown_distributed(args.backend)  # every rank leaves the job cleanly

@@ -177,11 +177,29 @@ class Checkpoint:
         return raw.reshape(meta["shape"])
 
 
+# generation_config.json fields a native model hands generate() as its defaults (HF's names)
+GENERATION_FIELDS = (
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+)
+
+
 def generation_defaults(checkpoint: Checkpoint) -> dict:
-    """eos/pad/bos token ids from generation_config.json, falling back to config.json."""
+    """The checkpoint's generation settings (generation_config.json; token ids fall back to
+    config.json), which generate() uses for every field the caller does not set, as HF does."""
     defaults = {}
-    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        value = checkpoint.generation_config.get(name, checkpoint.config.get(name))
+    for name in GENERATION_FIELDS:
+        value = checkpoint.generation_config.get(name)
+        if value is None and name.endswith("token_id"):
+            value = checkpoint.config.get(name)
         if value is not None:
             defaults[name] = value
     return defaults
