@@ -2,10 +2,10 @@
 
 Semantics follow transformers 5.23 ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` (text part):
 3 Gated DeltaNet layers to 1 gated full-attention layer, zero-centred RMSNorm, partial rotary.
-Layout choices are for MindSpore on CPU (design guide, "MindSpore 2.10 on CPU: measured facts"):
+Layout choices are for MindSpore on CPU (the measurements behind them: docs/performance.md):
 
 * every projection is stored transposed, (in, out), and applied as ``x @ W`` on 2-D (tokens,
-  features) activations: 20x faster on MindSpore CPU than ``linear`` with the checkpoint's
+  features) activations: much faster on MindSpore CPU than ``linear`` with the checkpoint's
   (out, in) layout, and 2-D matmuls beat 3-D ones for one decode row;
 * projections that read the same input are concatenated into one matrix (q|k|v|gate, the DeltaNet
   qkv|z|b|a, the MLP gate|up, the MoE router|shared-expert gate): fewer, larger ops;
@@ -13,31 +13,32 @@ Layout choices are for MindSpore on CPU (design guide, "MindSpore 2.10 on CPU: m
   (``(1 + w)`` of the zero-centred norms, the gated norm's ``w`` into out_proj), so a norm is
   ``x / sqrt(mean(x^2) + eps)``: five small ops;
 * heads, experts and the vocabulary stay contiguous along the ``out`` axis, so a tensor-parallel
-  loader can slice them per rank;
+  rank's pieces (``hyper_gen.models.qwen3_5.shards``) are contiguous blocks of them;
 * mint ops without CPU kernels are avoided; nothing relies on in-place ops (they silently do
   nothing on CPU): caches are written by ``cache.update`` (slice assignment) or by rebinding.
 
-Decode speed on CPU is per-op overhead (10-50 us an op, whatever its size) plus the weight reads,
-so the one-token paths are written for the fewest and cheapest kernels (measured, MindSpore 2.10,
-2 cores): cached primitives instead of Tensor operators (``+`` costs 25 us, ``ops.Add`` 15 us);
-``Mul`` is the slowest elementwise kernel (35 us even for 8 elements, ~0.8 ms when it broadcasts a
-per-head scalar over the (H, Dk, Dv) delta-rule state) while ``MulNoNan`` takes 19 us and
-``RealDiv`` broadcasts over the state in ~0.1 ms, so products are ``MulNoNan`` (identical but for
-``inf * 0``) and the state decays as ``S / exp(-g)``; ``BatchMatMul`` with transpose flags instead
-of transposed copies; rotary as one matmul with a +-1 rotation matrix; ``mint.nn.functional.softplus``
-(exact to 3e-16 in float64, unlike ``ops.softplus``); sub-cells are called through ``construct``
-(``Cell.__call__`` costs ~20 us).
+Decode speed on CPU is per-op overhead (a fixed cost per op, whatever its size) plus the weight
+reads, so the one-token paths are written for the fewest and cheapest kernels: cached primitives
+instead of Tensor operators (a primitive call costs less than an operator); ``Mul`` is the slowest
+elementwise kernel, even for a few elements and most of all when it broadcasts a per-head scalar
+over the (H, Dk, Dv) delta-rule state, while ``MulNoNan`` is cheaper and ``RealDiv`` broadcasts
+over the state quickly, so products are ``MulNoNan`` (identical but for ``inf * 0``) and the state
+decays as ``S / exp(-g)``; ``BatchMatMul`` with transpose flags instead of transposed copies;
+rotary as one matmul with a +-1 rotation matrix; ``mint.nn.functional.softplus`` (exact in
+float64, unlike ``ops.softplus``); sub-cells are called through ``construct`` (``Cell.__call__``
+adds a per-call overhead).
 
 Precision: float32 and float64 models compute everything in their own dtype; float16 models keep
 what HF upcasts (norms, softmax, rotary tables, the delta rule and its state) in float32. The
 linear-attention recurrent state is float32, or float64 in a float64 model.
 
 Tensor parallelism (``load(checkpoint, dtype, plan=TPPlan(tp, rank), group=None)``, under msrun):
-each rank reads only its slices with ``Checkpoint.get_slice``, exactly as
-``hyper_gen.parallel.tp_plan.TPPlan`` assigns them (``plan.check`` runs before any weight is read,
-so a tp that does not divide the heads fails at once). Attention query(+gate)/K/V heads, Gated
-DeltaNet key heads with their value heads, MLP / expert / shared-expert intermediate dims and the
-vocabulary are split; the router, the shared-expert gate and every norm weight are replicated.
+each rank reads only its pieces, as ``hyper_gen.models.qwen3_5.shards.describe`` lists them (its
+splits are checked before any weight is read, so a tp that does not divide the heads fails at
+once); this module only lays the arrays ``Checkpoint.read`` returns out for its kernels. Attention
+query(+gate)/K/V heads, Gated DeltaNet key heads with their value heads, MLP / expert /
+shared-expert intermediate dims and the vocabulary are split; the router, the shared-expert gate
+and every norm weight are replicated.
 A decoder layer sums its mixer's and its MLP's row-parallel partial outputs with one all-reduce
 each; the vocab-parallel embedding (out-of-range ids masked, local gather) with one more. The LM
 head returns this rank's vocabulary block of logits, zero-padded to ``plan.padded_vocab(V)``;
@@ -49,7 +50,7 @@ MindSpore's CPU AllReduce has no float64 kernel (TypeError) and its float64 AllG
 rounds to float32, so a float64 model sums exactly instead: each rank's float64 bits travel as
 int32 words through AllGather (exact) and every rank adds the tp parts in rank order. That costs
 tp times the all-reduce volume and is meant for validation (float64 TP logits match one device
-to ~1e-13); float32 / float16 use the native AllReduce.
+to float64 rounding); float32 / float16 use the native AllReduce.
 """
 
 from __future__ import annotations
@@ -62,13 +63,25 @@ from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
 from hyper_gen.backends.mindspore.ops import MindSporeOps
 from hyper_gen.cache import DynamicCache
-from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, check_tp
+from hyper_gen.models.checkpoint import Piece
+from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, describe
+from hyper_gen.models.qwen3_5.shards import (
+    EMBED_TOKENS,
+    AttentionShard,
+    FusedExperts,
+    GatedDeltaNetShard,
+    LayerShard,
+    MLPShard,
+    ModelShard,
+    MoEShard,
+    vocab_rows,
+)
 from hyper_gen.parallel.tp_plan import TPPlan
 
 DTYPES = {"float32": ms.float32, "float64": ms.float64, "float16": ms.float16, "bfloat16": ms.bfloat16}
 _CHUNK = 64  # Gated DeltaNet prefill chunk, as HF/FLA
-# Most LM head columns per matmul: one 248k-wide matrix-vector product reads ~25% slower than 4
-# of 62k on MindSpore CPU (measured 37 vs 41-54 GB/s). See _block_width for the exact width.
+# Most LM head columns per matmul: one very wide matrix-vector product reads slower than a few
+# narrower ones on MindSpore CPU. See _block_width for the exact width.
 _HEAD_COLUMNS = 65536
 
 
@@ -89,27 +102,25 @@ def _round_to(array: np.ndarray, dtype: str) -> np.ndarray:
 
 
 class _Weights:
-    """Reads a checkpoint's tensors (or this tensor-parallel rank's slices of them) into
+    """Reads this rank's pieces of a checkpoint (``hyper_gen.models.qwen3_5.shards``) into
     MindSpore parameters of the model's layout and dtype."""
 
-    def __init__(self, checkpoint, dtype: str, plan: TPPlan):
+    def __init__(self, checkpoint, dtype: str):
         self.checkpoint = checkpoint
-        self.plan = plan
         self.dtype = dtype
         self.ms_dtype = DTYPES[dtype]
         self.acc = ms.float64 if dtype == "float64" else ms.float32
         self.np_read = "float64" if dtype == "float64" else "float32"
 
-    def read(self, name: str, shape, axis: int = 0, window=None) -> np.ndarray:
-        """The tensor, or only ``[start, stop)`` of it along ``axis`` when ``window`` is given
-        (read from disk without materialising the rest); the full shape is checked either way."""
-        if window is None or tuple(window) == (0, shape[axis]):
-            return self.checkpoint.get(name, self.np_read, shape=shape)
-        if self.checkpoint.shape(name) != tuple(shape):
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {self.checkpoint.shape(name)}, expected {tuple(shape)}"
-            )
-        return self.checkpoint.get_slice(name, axis, window[0], window[1], self.np_read)
+    def read(self, piece: Piece) -> np.ndarray:
+        """``Checkpoint.read`` in the read dtype; a piece that is all of its tensor (a KV head
+        every rank keeps, any piece at tp 1) is read as the whole tensor."""
+        if piece.ranges is not None and piece.ranges == ((0, piece.shape[piece.axis]),):
+            piece = Piece(piece.name, piece.shape)
+        return self.checkpoint.read(piece, self.np_read)
+
+    def vocab_rows(self, shard: ModelShard, name: str) -> np.ndarray:
+        return vocab_rows(self.checkpoint, shard, name, self.np_read)
 
     def param(self, array: np.ndarray, name: str = "Parameter") -> Parameter:
         """A checkpoint weight in the model dtype (every Parameter of the model is in it)."""
@@ -133,36 +144,15 @@ class _Weights:
             matrix = matrix.astype(np.float64) * in_scale.astype(np.float64)[:, None]
         return self.param(matrix)
 
-    def linear_t(self, parts: List[tuple], in_scale: np.ndarray = None) -> Parameter:
-        """(out, in) checkpoint matrices [(name, shape) or (name, shape, (start, stop) rows)],
-        concatenated along out, stored (in, out): column-parallel slices when rows are given."""
-        return self.projection(
-            [self.read(name, shape, 0, rows[0] if rows else None) for name, shape, *rows in parts], in_scale
-        )
+    def linear_t(self, pieces: List[Piece], in_scale: np.ndarray = None) -> Parameter:
+        """``projection`` of the (out, in) checkpoint pieces, in order."""
+        return self.projection([self.read(piece) for piece in pieces], in_scale)
 
-    def row_parallel_t(self, name: str, shape, columns, in_scale: np.ndarray = None) -> Parameter:
-        """An (out, in) matrix's ``in`` columns [start, stop), stored (in, out): a row-parallel
-        projection whose outputs the ranks sum."""
-        return self.projection([self.read(name, shape, 1, columns)], in_scale)
-
-    def vocab_rows(self, name: str, vocab: int, hidden: int) -> np.ndarray:
-        """This rank's block of a (vocab, hidden) matrix, zero rows where the block runs past the
-        real vocabulary (blocks are padded to a multiple of tp)."""
-        start, stop = self.plan.vocab(vocab)
-        real_stop = min(stop, vocab)
-        if real_stop > start:
-            rows = self.read(name, (vocab, hidden), 0, (start, real_stop))
-        else:
-            rows = np.zeros((0, hidden), self.np_read)
-        if real_stop < stop:
-            rows = np.concatenate([rows, np.zeros((stop - max(real_stop, start), hidden), rows.dtype)])
-        return rows
-
-    def norm_scale(self, name: str, size: int) -> np.ndarray:
+    def norm_scale(self, piece: Piece) -> np.ndarray:
         """``1 + w`` of a zero-centred RMSNorm, as HF computes it (model-dtype ``w`` plus one in
         the compute dtype), in numpy: to fold into a projection or to make a constant of."""
         acc = _numpy_dtype(self.acc)
-        return (1.0 + _round_to(self.read(name, (size,)), self.dtype).astype(acc)).astype(acc)
+        return (1.0 + _round_to(self.read(piece), self.dtype).astype(acc)).astype(acc)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,8 +161,8 @@ class _Weights:
 
 def _scalar(value: float, dtype) -> Tensor:
     """A 0-d tensor constant. MindSpore turns a Python float operand into float32 even next to a
-    float64 tensor (``x * 8 ** -0.5`` is off by 6e-9), so scales and epsilons are tensors of the
-    dtype they meet."""
+    float64 tensor (``x * 8 ** -0.5`` is then off at float32 precision), so scales and epsilons are
+    tensors of the dtype they meet."""
     return Tensor(value, dtype)
 
 
@@ -195,7 +185,7 @@ _square = ops.Square()
 _sqrt = ops.Sqrt()
 _sigmoid = ops.Sigmoid()
 _exp = ops.Exp()
-_softplus = mint.nn.functional.softplus  # torch's (threshold 20); ops.softplus is off by ~3e-6
+_softplus = mint.nn.functional.softplus  # torch's (threshold 20); ops.softplus is less exact
 _softmax = mint.nn.functional.softmax
 _glu = mint.nn.functional.glu
 
@@ -344,37 +334,33 @@ class GatedAttention(nn.Cell):
     Under tensor parallelism this rank holds a block of query heads and the KV heads they use
     (``num_heads`` / ``num_kv_heads`` are the local counts); its output is a partial sum."""
 
-    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, prefix: str, layer_idx: int, in_scale: np.ndarray):
+    def __init__(
+        self, cfg: Qwen3_5Config, weights: _Weights, shard: AttentionShard, layer_idx: int, in_scale: np.ndarray
+    ):
         super().__init__()
         self.layer_idx = layer_idx
-        plan = weights.plan
-        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_start, q_stop = plan.block(nh, "num_attention_heads")
-        kv_start, kv_stop = plan.kv_heads(nkv, nh)
-        self.num_heads = q_stop - q_start
-        self.num_kv_heads = kv_stop - kv_start
-        self.head_dim = d
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.head_dim = d = cfg.head_dim
         self.acc = weights.acc
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         h = cfg.hidden_size
-        kv_rows = (kv_start * d, kv_stop * d)
-        query_gate = weights.read(f"{prefix}.q_proj.weight", (nh * 2 * d, h), 0, (q_start * 2 * d, q_stop * 2 * d))
-        query_gate = query_gate.reshape(self.num_heads, 2, d, h)  # per head: [query rows | gate rows]
+        query_gate = weights.read(shard.query_gate).reshape(self.num_heads, 2, d, h)  # per head: [query | gate]
         self.qkv_t = weights.projection(
             [
                 query_gate[:, 0].reshape(-1, h),
-                weights.read(f"{prefix}.k_proj.weight", (nkv * d, h), 0, kv_rows),
-                weights.read(f"{prefix}.v_proj.weight", (nkv * d, h), 0, kv_rows),
+                weights.read(shard.key),
+                weights.read(shard.value),
                 query_gate[:, 1].reshape(-1, h),
             ],
             in_scale,
         )
         self.split_sizes = ((self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d, self.num_heads * d)
-        self.o_t = weights.row_parallel_t(f"{prefix}.o_proj.weight", (h, nh * d), (q_start * d, q_stop * d))
+        self.o_t = weights.linear_t([shard.o_proj])
         # q_norm and k_norm weights (1 + w), one row per local head; queries carry the score scale
         acc = _numpy_dtype(weights.acc)
-        q_norm = weights.norm_scale(f"{prefix}.q_norm.weight", d) * acc(d**-0.5)
-        k_norm = weights.norm_scale(f"{prefix}.k_norm.weight", d)
+        q_norm = weights.norm_scale(shard.q_norm) * acc(d**-0.5)
+        k_norm = weights.norm_scale(shard.k_norm)
         self.qk_norm = Tensor(
             np.concatenate(
                 [np.tile(q_norm, (1, self.num_heads, 1)), np.tile(k_norm, (1, self.num_kv_heads, 1))], 1
@@ -431,16 +417,14 @@ class GatedDeltaNet(nn.Cell):
     (value head j uses key head j // (num_v_heads / num_k_heads)): their q | k | v channels,
     z / b / a rows, decay parameters and out_proj columns; the head counts are local."""
 
-    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, prefix: str, layer_idx: int, in_scale: np.ndarray):
+    def __init__(
+        self, cfg: Qwen3_5Config, weights: _Weights, shard: GatedDeltaNetShard, layer_idx: int, in_scale: np.ndarray
+    ):
         super().__init__()
         self.layer_idx = layer_idx
-        plan = weights.plan
-        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        k_start, k_stop = plan.block(nk, "linear_num_key_heads")
-        v_start, v_stop = plan.block(nv, "linear_num_value_heads")
-        self.num_k_heads = k_stop - k_start
-        self.num_v_heads = v_stop - v_start
+        self.num_k_heads = shard.num_k_heads
+        self.num_v_heads = shard.num_v_heads
         self.head_k_dim = dk
         self.head_v_dim = dv
         self.key_dim = self.num_k_heads * dk
@@ -452,42 +436,18 @@ class GatedDeltaNet(nn.Cell):
         # The queries stay unscaled: their output o = q @ S is then Dk ** 0.5 times HF's, and
         # o / sqrt(mean(o^2) + eps * Dk) is exactly HF's gated norm of it (o only feeds that norm).
         self.gated_norm_eps = _scalar(cfg.rms_norm_eps * dk, weights.acc)
-        h = cfg.hidden_size
-        # this rank's channels of the checkpoint's [q | k | v] conv channels (the full layout)
-        full_key_dim, full_value_dim = nk * dk, nv * dv
-        full_conv_dim = 2 * full_key_dim + full_value_dim
-        channels = [
-            (k_start * dk, k_stop * dk),
-            (full_key_dim + k_start * dk, full_key_dim + k_stop * dk),
-            (2 * full_key_dim + v_start * dv, 2 * full_key_dim + v_stop * dv),
-        ]
-        value_rows, heads = (v_start * dv, v_stop * dv), (v_start, v_stop)
-        # one projection: [q | k | v] (the conv channels) | z | b | a
-        qkv = f"{prefix}.in_proj_qkv.weight"
-        self.in_proj_t = weights.linear_t(
-            [(qkv, (full_conv_dim, h), rows) for rows in channels]
-            + [
-                (f"{prefix}.in_proj_z.weight", (full_value_dim, h), value_rows),
-                (f"{prefix}.in_proj_b.weight", (nv, h), heads),
-                (f"{prefix}.in_proj_a.weight", (nv, h), heads),
-            ],
-            in_scale,
-        )
+        # one projection: [q | k | v] (this rank's conv channels) | z | b | a
+        self.in_proj_t = weights.linear_t([shard.qkv, shard.z, shard.b, shard.a], in_scale)
         self.split_sizes = (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
-        conv = np.concatenate(
-            [weights.read(f"{prefix}.conv1d.weight", (full_conv_dim, 1, self.kernel), 0, rows) for rows in channels],
-            axis=0,
-        )
+        conv = weights.read(shard.conv)  # (channels, 1, kernel)
         self.conv_t = weights.constant(conv[None, :, 0, :].transpose(0, 2, 1))  # (1, kernel, channels)
         self.conv_taps = tuple(weights.constant(np.ascontiguousarray(conv[:, 0, j])) for j in range(self.kernel))
         # (1, heads), as every constant an op broadcasts: MindSpore CPU broadcasts slower across ranks
         # g = -a * softplus(.)
-        self.a = ops.exp(weights.constant(weights.read(f"{prefix}.A_log", (nv,), 0, heads)[None]))
-        self.dt_bias = weights.constant(weights.read(f"{prefix}.dt_bias", (nv,), 0, heads)[None])
-        norm_weight = _round_to(weights.read(f"{prefix}.norm.weight", (dv,)), weights.dtype)
-        self.out_t = weights.row_parallel_t(
-            f"{prefix}.out_proj.weight", (h, full_value_dim), value_rows, np.tile(norm_weight, self.num_v_heads)
-        )
+        self.a = ops.exp(weights.constant(weights.read(shard.a_log)[None]))
+        self.dt_bias = weights.constant(weights.read(shard.dt_bias)[None])
+        norm_weight = _round_to(weights.read(shard.norm), weights.dtype)
+        self.out_t = weights.linear_t([shard.out_proj], np.tile(norm_weight, self.num_v_heads))
 
     def _conv_step(self, mixed, state, cache):
         """One token through the causal depthwise conv + SiLU: mixed (B, channels). The state is
@@ -497,7 +457,7 @@ class GatedDeltaNet(nn.Cell):
         window = ops.concat([mint.transpose(state, 1, 2), mixed.reshape(b, 1, c)], 1)  # (B, kernel, channels)
         cache.conv_states[self.layer_idx] = mint.transpose(window[:, 1:], 1, 2)
         taps = _mul(_cast(window, self.conv_t.dtype), self.conv_t)
-        out = _bmm(_ones((b, 1, self.kernel), taps.dtype), taps).reshape(b, c)  # 3x faster than a sum over axis 1
+        out = _bmm(_ones((b, 1, self.kernel), taps.dtype), taps).reshape(b, c)  # faster than a sum over axis 1
         return _silu(_cast(out, mixed.dtype))
 
     def _conv_sequence(self, mixed, state, cache):
@@ -576,17 +536,10 @@ class MLP(nn.Cell):
         return _matmul(hidden, self.down_t)
 
 
-def _dense_mlp(weights: _Weights, prefix: str, hidden: int, inter: int, name: str, in_scale: np.ndarray) -> MLP:
-    """An MLP with this rank's block of the ``inter`` (config field ``name``) dims: gate/up rows,
-    down columns (a partial output under tensor parallelism)."""
-    block = weights.plan.block(inter, name)
-    return MLP(
-        weights,
-        weights.read(f"{prefix}.gate_proj.weight", (inter, hidden), 0, block),
-        weights.read(f"{prefix}.up_proj.weight", (inter, hidden), 0, block),
-        weights.read(f"{prefix}.down_proj.weight", (hidden, inter), 1, block),
-        in_scale,
-    )
+def _dense_mlp(weights: _Weights, shard: MLPShard, in_scale: np.ndarray) -> MLP:
+    """An MLP with this rank's block of the intermediate dims: gate/up rows, down columns (a
+    partial output under tensor parallelism)."""
+    return MLP(weights, weights.read(shard.gate), weights.read(shard.up), weights.read(shard.down), in_scale)
 
 
 class SparseMoE(nn.Cell):
@@ -598,39 +551,19 @@ class SparseMoE(nn.Cell):
     expert and the shared expert hold this rank's block of their intermediate dims and the
     router is replicated, so every rank routes identically and returns a partial sum."""
 
-    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, prefix: str, in_scale: np.ndarray):
+    def __init__(self, weights: _Weights, shard: MoEShard, in_scale: np.ndarray):
         super().__init__()
-        self.num_experts = cfg.num_experts
-        self.top_k = cfg.num_experts_per_tok
-        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts = shard.num_experts
+        self.top_k = shard.top_k
         # router logits | shared expert gate logit, one matmul
-        self.route_t = weights.linear_t(
-            [(f"{prefix}.gate.weight", (self.num_experts, h)), (f"{prefix}.shared_expert_gate.weight", (1, h))],
-            in_scale,
-        )
-        self.shared_expert = _dense_mlp(
-            weights,
-            f"{prefix}.shared_expert",
-            h,
-            cfg.shared_expert_intermediate_size,
-            "shared_expert_intermediate_size",
-            in_scale,
-        )
+        self.route_t = weights.linear_t([shard.router, shard.shared_expert_gate], in_scale)
+        self.shared_expert = _dense_mlp(weights, shard.shared_expert, in_scale)
         self.acc = weights.acc
-        e_all = self.num_experts
-        start, stop = weights.plan.block(inter, "moe_intermediate_size")
-        if weights.checkpoint.has(f"{prefix}.experts.gate_up_proj"):  # fused layout, gate rows first
-            # this rank's rows of every expert at once (its gate block, then its up block)
-            gate_up = f"{prefix}.experts.gate_up_proj"
-            gates = weights.read(gate_up, (e_all, 2 * inter, h), 1, (start, stop))
-            ups = weights.read(gate_up, (e_all, 2 * inter, h), 1, (inter + start, inter + stop))
-            downs = weights.read(f"{prefix}.experts.down_proj", (e_all, h, inter), 2, (start, stop))
-            experts = [MLP(weights, gates[e], ups[e], downs[e], in_scale) for e in range(e_all)]
+        if isinstance(shard.experts, FusedExperts):  # this rank's rows of every expert at once
+            gates, ups, downs = (weights.read(p) for p in (shard.experts.gate, shard.experts.up, shard.experts.down))
+            experts = [MLP(weights, gates[e], ups[e], downs[e], in_scale) for e in range(self.num_experts)]
         else:  # per-expert layout (what transformers 5.23 save_pretrained writes)
-            experts = [
-                _dense_mlp(weights, f"{prefix}.experts.{e}", h, inter, "moe_intermediate_size", in_scale)
-                for e in range(e_all)
-            ]
+            experts = [_dense_mlp(weights, expert, in_scale) for expert in shard.experts]
         self.experts = nn.CellList(experts)
 
     def construct(self, x):
@@ -659,24 +592,21 @@ class DecoderLayer(nn.Cell):
     """Mixer and MLP residual blocks; ``partial_sum`` adds up their row-parallel outputs. The two
     norms' ``1 + w`` live in the mixer's and the MLP's input projections."""
 
-    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, layer_idx: int, partial_sum: _PartialSum):
+    def __init__(
+        self, cfg: Qwen3_5Config, weights: _Weights, shard: LayerShard, layer_idx: int, partial_sum: _PartialSum
+    ):
         super().__init__()
-        prefix = f"model.layers.{layer_idx}"
-        h = cfg.hidden_size
-        input_scale = weights.norm_scale(f"{prefix}.input_layernorm.weight", h)
-        post_attention_scale = weights.norm_scale(f"{prefix}.post_attention_layernorm.weight", h)
-        self.is_attention = cfg.layer_types[layer_idx] == "full_attention"
+        input_scale = weights.norm_scale(shard.input_norm)
+        post_attention_scale = weights.norm_scale(shard.post_attention_norm)
+        self.is_attention = not shard.is_linear
         if self.is_attention:
-            self.mixer = GatedAttention(cfg, weights, f"{prefix}.self_attn", layer_idx, input_scale)
+            self.mixer = GatedAttention(cfg, weights, shard.mixer, layer_idx, input_scale)
         else:
-            self.mixer = GatedDeltaNet(cfg, weights, f"{prefix}.linear_attn", layer_idx, input_scale)
-        self.mlp = (
-            SparseMoE(cfg, weights, f"{prefix}.mlp", post_attention_scale)
-            if cfg.is_moe
-            else _dense_mlp(
-                weights, f"{prefix}.mlp", h, cfg.intermediate_size, "intermediate_size", post_attention_scale
-            )
-        )
+            self.mixer = GatedDeltaNet(cfg, weights, shard.mixer, layer_idx, input_scale)
+        if isinstance(shard.mlp, MoEShard):
+            self.mlp = SparseMoE(weights, shard.mlp, post_attention_scale)
+        else:
+            self.mlp = _dense_mlp(weights, shard.mlp, post_attention_scale)
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         self.partial_sum = partial_sum
 
@@ -696,7 +626,8 @@ class DecoderLayer(nn.Cell):
 class Qwen3_5ForCausalLM(nn.Cell):
     """Qwen3.5 / Qwen3.5-MoE language model implementing docs/model_contract.md (cache objects).
 
-    ``config`` is the parsed ``hyper_gen.models.qwen3_5.Qwen3_5Config``; ``vocab_size`` the true vocabulary
+    Built from this rank's ``ModelShard`` (``hyper_gen.models.qwen3_5.describe``). ``config`` is
+    the parsed ``hyper_gen.models.qwen3_5.Qwen3_5Config``; ``vocab_size`` the true vocabulary
     size; ``dtype`` the model dtype (every Parameter is in it; compute-dtype constants are Tensors);
     ``tp_plan`` the ``TPPlan`` it was loaded with. With ``tp_plan.tp > 1`` it also has
     ``parallel_group`` (None: the world group) and ``vocab_parallel = True``: its logits are this
@@ -705,35 +636,30 @@ class Qwen3_5ForCausalLM(nn.Cell):
 
     supports_cache_object = True
 
-    def __init__(self, cfg: Qwen3_5Config, weights: _Weights, group=None):
+    def __init__(self, shard: ModelShard, weights: _Weights, group=None):
         super().__init__()
-        plan = weights.plan
+        cfg, plan = shard.config, shard.plan
         self.config = cfg
         self.vocab_size = cfg.vocab_size
         self.tp_plan = plan
-        h, v = cfg.hidden_size, cfg.vocab_size
-        start, stop = plan.vocab(v)
-        self.vocab_start, self.vocab_stop = start, min(stop, v)  # the real ids this rank embeds
+        self.vocab_start, self.vocab_stop = shard.vocab_start, min(shard.vocab_stop, cfg.vocab_size)  # real ids here
         # (hidden, vocab) for the fast `x @ W`, in blocks of _HEAD_COLUMNS columns; a tied model
         # embeds by gathering their columns
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        head_t = weights.vocab_rows(head, v, h).T
+        head_t = weights.vocab_rows(shard, shard.lm_head or EMBED_TOKENS).T
         self.head_columns = width = _block_width(head_t.shape[1], _HEAD_COLUMNS)
         self.lm_head = ParameterTuple(
             [weights.param(head_t[:, i : i + width], f"lm_head.{i // width}") for i in range(0, head_t.shape[1], width)]
         )
         del head_t
-        self.embed_tokens = (
-            None if cfg.tie_word_embeddings else weights.param(weights.vocab_rows("model.embed_tokens.weight", v, h))
-        )
+        self.embed_tokens = None if shard.lm_head is None else weights.param(weights.vocab_rows(shard, EMBED_TOKENS))
         self.partial_sum = _PartialSum(plan.tp, group)
         if plan.tp > 1:
             self.parallel_group = group
             self.vocab_parallel = True
         self.layers = nn.CellList(
-            [DecoderLayer(cfg, weights, i, self.partial_sum) for i in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, weights, layer, i, self.partial_sum) for i, layer in enumerate(shard.layers)]
         )
-        self.norm = Tensor(weights.norm_scale("model.norm.weight", h)[None])
+        self.norm = Tensor(weights.norm_scale(shard.final_norm)[None])
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         # rotary frequencies over the whole head: [f, f] on the rotary dims, 0 (cos 1, sin 0) after
         rot, d = cfg.rotary_dim, cfg.head_dim
@@ -812,9 +738,8 @@ class Qwen3_5ForCausalLM(nn.Cell):
 
 def _block_width(columns: int, most: int) -> int:
     """Columns per block when ``columns`` are cut into ``ceil(columns / most)`` blocks: their even
-    share, rounded up to 64 times an odd number. A row stride of a large power of two
-    bytes halves MindSpore's CPU matrix-vector bandwidth (65536 float32 columns: 21 GB/s; 65472:
-    42 GB/s), as rows then collide in the same cache sets."""
+    share, rounded up to 64 times an odd number. A row stride of a large power of two bytes cuts
+    MindSpore's CPU matrix-vector bandwidth, as rows then collide in the same cache sets."""
     share = -(-columns // -(-columns // most))
     width = -(-share // 64) * 64
     return width + 64 if (width // 64) % 2 == 0 else width
@@ -839,7 +764,8 @@ def load(checkpoint, dtype: str = "float32", device=None, plan: TPPlan = None, g
 
     ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
     model); ``group``: the communication group of the ``tp`` ranks (None: the world group, whose
-    size and this process's rank must then be ``tp`` and ``plan.rank``)."""
+    size and this process's rank must then be ``tp`` and ``plan.rank``). ``device`` is accepted and
+    ignored: MindSpore's device target is chosen for the whole process."""
     plan = TPPlan.resolve(plan)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
@@ -852,11 +778,10 @@ def load(checkpoint, dtype: str = "float32", device=None, plan: TPPlan = None, g
             f"checkpoint {checkpoint.path!r} has architecture {checkpoint.architecture or None!r}; "
             f"supported: {', '.join(ARCHITECTURES)}"
         )
-    config = Qwen3_5Config.from_dict(checkpoint.config)
-    check_tp(plan, config)  # every split, before any weight is read
+    shard = describe(checkpoint, Qwen3_5Config.from_dict(checkpoint.config), plan)  # splits checked, nothing read
     if plan.tp > 1:
         _check_group(plan, group)
-    model = Qwen3_5ForCausalLM(config, _Weights(checkpoint, dtype, plan), group)
+    model = Qwen3_5ForCausalLM(shard, _Weights(checkpoint, dtype), group)
     model.set_train(False)
     return model
 
