@@ -6,18 +6,62 @@
   ``generate`` gives it (2-D mask, cumsum positions, ``logits_to_keep=1``), so logits are
   bit-identical to HF's.
 
-Every driver keeps ``use_cache=False`` honest: it recomputes the whole sequence each step.
+Every driver calls the model only with the keyword arguments its forward accepts (the
+signature is read once per driver, see ``ForwardSignature``), and keeps ``use_cache=False``
+honest: it recomputes the whole sequence each step. A model that takes no cache argument is
+recomputed the same way. Errors raised inside the model propagate unchanged.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from .cache import KVCache, make_cache
 from .masks import decode_mask, full_sequence_mask, prefill_mask
+
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+class ForwardSignature:
+    """The keyword arguments a model's forward accepts, read once from its signature.
+
+    The forward is ``model.construct`` for a MindSpore Cell, ``model.forward`` for a torch
+    Module (found by duck typing, no framework import), and the callable itself otherwise.
+    ``**kwargs`` in the signature (or no readable signature) means every keyword is accepted.
+    """
+
+    def __init__(self, model):
+        self.names: frozenset = frozenset()
+        self.takes_any = True
+        try:
+            params = inspect.signature(_forward_of(model)).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: pass everything, as before
+            return
+        self.names = frozenset(p.name for p in params if p.kind in _NAMED)
+        self.takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+    def declares(self, name: str) -> bool:
+        return name in self.names
+
+    def accepts(self, name: str) -> bool:
+        return self.takes_any or name in self.names
+
+    def keep(self, kwargs: dict) -> dict:
+        """``kwargs`` without the keywords the forward does not accept."""
+        if self.takes_any:
+            return kwargs
+        return {name: value for name, value in kwargs.items() if name in self.names}
+
+
+def _forward_of(model):
+    for name in ("construct", "forward"):  # MindSpore Cell, torch Module
+        method = getattr(model, name, None)
+        if callable(method):
+            return method
+    return model
 
 
 def _logits(output) -> Any:
@@ -43,35 +87,105 @@ def is_hf_model(model) -> bool:
     )
 
 
+def _cumsum_positions(mask: np.ndarray) -> np.ndarray:
+    """Padding 0, real tokens 0, 1, 2, ... (HF: cumsum - 1, padding filled with 0)."""
+    return np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)
+
+
 class _Driver:
+    """Shared bookkeeping: host copy of the tokens, decode positions, the preallocated decode
+    mask (one column unmasked per step), full recompute, and the signature filter.
+
+    Subclasses set ``self.use_cache`` and implement ``prefill``, ``_call_full`` (a forward
+    over the whole sequence) and ``_call_decode`` (a forward over the new tokens).
+    """
+
     def __init__(self, model, ops, prompt, config, dtype: str):
         self.model = model
         self.ops = ops
         self.prompt = prompt
         self.config = config
         self.dtype = dtype
+        self.signature = ForwardSignature(model)
+        if prompt.padded and not self.signature.accepts("attention_mask"):
+            raise ValueError(
+                f"{type(model).__name__}'s forward takes no attention_mask, so it cannot be told which "
+                "tokens are left padding: pass prompts of equal length without padding (an all-ones "
+                "attention_mask is fine), or give the forward an attention_mask argument"
+            )
         self.total_length = prompt.width + config.max_new_tokens
         # host copy of every token so far, padding included: (B, width + steps)
         self.host_ids = prompt.ids
         self.host_mask = prompt.mask
         self.next_position = prompt.lengths.copy()
+        self._decode_mask: Optional[Any] = None  # (B, 1, 1, total_length) additive, device
+        self._whole_decode_mask = False  # static cache: the model attends over every column
+        self._unmask = None
+
+    def _call(self, ids, **kwargs):
+        """The model on ``ids`` with the keywords its forward accepts (errors propagate)."""
+        return self.model(ids, **self.signature.keep(kwargs))
+
+    def _device(self, array: np.ndarray, dtype: str, name: str):
+        """``array`` on the device, or None when the forward does not take ``name`` (no op)."""
+        return self.ops.asarray(array, dtype) if self.signature.accepts(name) else None
 
     def append(self, tokens: np.ndarray) -> None:
         """Bookkeeping after a step's tokens are chosen (host side)."""
         self.host_ids = np.concatenate([self.host_ids, tokens[:, None]], axis=1)
         self.host_mask = np.concatenate([self.host_mask, np.ones_like(tokens)[:, None]], axis=1)
 
-    def _full_recompute(self):
-        """use_cache=False: the model sees the whole sequence again."""
-        ops = self.ops
-        positions = np.where(self.host_mask == 1, np.cumsum(self.host_mask, axis=1) - 1, 0)
-        return self._call_full(
-            ops.asarray(self.host_ids, "int64"),
-            ops.asarray(positions.astype(np.int64), "int64"),
-            ops.asarray(full_sequence_mask(self.host_mask, self.dtype), self.dtype),
+    def _prefill_inputs(self, key_length: int):
+        """The prompt's ids, positions and (B, 1, S, key_length) mask on the device."""
+        prompt = self.prompt
+        return (
+            self.ops.asarray(prompt.ids, "int64"),
+            self._device(prompt.position_ids(), "int64", "position_ids"),
+            self._device(prefill_mask(prompt.mask, key_length, self.dtype), self.dtype, "attention_mask"),
         )
 
+    def _allocate_decode_mask(self, whole: bool) -> None:
+        """Preallocate the decode mask: prompt padding masked, later columns masked until written."""
+        if not self.signature.accepts("attention_mask"):
+            return
+        prompt = self.prompt
+        self._decode_mask = self.ops.asarray(decode_mask(prompt.mask, self.total_length, self.dtype), self.dtype)
+        self._unmask = self.ops.asarray(np.zeros((prompt.batch_size, 1, 1, 1)), self.dtype)
+        self._whole_decode_mask = whole
+
+    def decode(self, tokens: np.ndarray, tokens_device):
+        self.append(tokens)
+        if not self.use_cache:
+            return self._full_recompute()
+        length = self.host_ids.shape[1]
+        mask = self._decode_mask
+        if mask is not None:
+            self.ops.write_slice(mask, 3, length - 1, self._unmask)  # the new token's column
+            if not self._whole_decode_mask:
+                mask = mask[:, :, :, :length]
+        return self._call_decode(tokens_device, self._decode_positions(), mask)
+
+    def _decode_positions(self):
+        """The new token of each row: real prompt length + step."""
+        positions = self._device(self.next_position[:, None], "int64", "position_ids")
+        self.next_position = self.next_position + 1
+        return positions
+
+    def _full_recompute(self):
+        """use_cache=False (or no cache argument): the model sees the whole sequence again."""
+        return self._call_full(
+            self.ops.asarray(self.host_ids, "int64"),
+            self._device(_cumsum_positions(self.host_mask), "int64", "position_ids"),
+            self._device(full_sequence_mask(self.host_mask, self.dtype), self.dtype, "attention_mask"),
+        )
+
+    def prefill(self):
+        raise NotImplementedError
+
     def _call_full(self, ids, positions, mask):
+        raise NotImplementedError
+
+    def _call_decode(self, tokens_device, positions, mask):
         raise NotImplementedError
 
 
@@ -81,43 +195,27 @@ class ReturnedCacheDriver(_Driver):
     def __init__(self, *args):
         super().__init__(*args)
         self.cache = KVCache()
-        self.use_cache = self.config.use_cache
-        self._mask_buffer = None
+        self.use_cache = self.config.use_cache and self.signature.accepts("past_key_values")
 
     def _call_full(self, ids, positions, mask):
-        return _logits(self.model(ids, position_ids=positions, attention_mask=mask, past_key_values=None))
+        return _logits(self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=None))
 
     def prefill(self):
-        ops, prompt = self.ops, self.prompt
-        output = self.model(
-            ops.asarray(prompt.ids, "int64"),
-            position_ids=ops.asarray(prompt.position_ids(), "int64"),
-            attention_mask=ops.asarray(prefill_mask(prompt.mask, prompt.width, self.dtype), self.dtype),
-            past_key_values=None,
-        )
-        past = _past(output)
-        if self.use_cache and past is None:
-            self.use_cache = False  # the model keeps no cache: recompute, as HF does
+        prompt = self.prompt
+        ids, positions, mask = self._prefill_inputs(prompt.width)
+        output = self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=None)
         if self.use_cache:
-            self.cache.update(past)
-            if prompt.padded:
-                self._mask_buffer = ops.asarray(decode_mask(prompt.mask, self.total_length, self.dtype), self.dtype)
-                self._unmask = ops.asarray(np.zeros((prompt.batch_size, 1, 1, 1)), self.dtype)
+            past = _past(output)
+            if past is None:
+                self.use_cache = False  # the model keeps no cache: recompute, as HF does
+            else:
+                self.cache.update(past)
+                if prompt.padded:
+                    self._allocate_decode_mask(whole=False)
         return _logits(output)
 
-    def decode(self, tokens: np.ndarray, tokens_device):
-        self.append(tokens)
-        if not self.use_cache:
-            return self._full_recompute()
-        ops = self.ops
-        length = self.host_ids.shape[1]
-        mask = None
-        if self._mask_buffer is not None:
-            ops.write_slice(self._mask_buffer, 3, length - 1, self._unmask)
-            mask = self._mask_buffer[:, :, :, :length]
-        positions = ops.asarray(self.next_position[:, None], "int64")
-        self.next_position = self.next_position + 1
-        output = self.model(
+    def _call_decode(self, tokens_device, positions, mask):
+        output = self._call(
             tokens_device, position_ids=positions, attention_mask=mask, past_key_values=self.cache.past_key_values
         )
         self.cache.update(_past(output))
@@ -129,51 +227,35 @@ class CacheObjectDriver(_Driver):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self._unmask = None
-
-    def _new_cache(self, batch, length, implementation):
-        return make_cache(implementation, self.ops, batch, length)
+        self.use_cache = self.config.use_cache and self.signature.accepts("past_key_values")
 
     def _call_full(self, ids, positions, mask):
-        cache = self._new_cache(self.host_ids.shape[0], self.host_ids.shape[1], "dynamic")
+        cache = make_cache("dynamic", self.ops, self.host_ids.shape[0], self.host_ids.shape[1])
         if self.prompt.padded:
             cache.prompt_mask = self.ops.asarray(self.host_mask, self.dtype)
         return _logits(
-            self.model(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, logits_to_keep=1)
+            self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, logits_to_keep=1)
         )
 
     def prefill(self):
         ops, prompt, cfg = self.ops, self.prompt, self.config
-        if not cfg.use_cache:
+        if not self.use_cache:
             return self._full_recompute()
-        self.cache = self._new_cache(prompt.batch_size, self.total_length, cfg.cache_implementation)
+        self.cache = make_cache(cfg.cache_implementation, ops, prompt.batch_size, self.total_length)
         if prompt.padded:
             self.cache.prompt_mask = ops.asarray(prompt.mask, self.dtype)
         key_length = self.total_length if self.cache.is_static else prompt.width
-        output = self.model(
-            ops.asarray(prompt.ids, "int64"),
-            position_ids=ops.asarray(prompt.position_ids(), "int64"),
-            attention_mask=ops.asarray(prefill_mask(prompt.mask, key_length, self.dtype), self.dtype),
-            past_key_values=self.cache,
-            logits_to_keep=1,
+        ids, positions, mask = self._prefill_inputs(key_length)
+        output = self._call(
+            ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, logits_to_keep=1
         )
         self.cache.advance(prompt.width)
         self.cache.prompt_mask = None
-        self._mask = ops.asarray(decode_mask(prompt.mask, self.total_length, self.dtype), self.dtype)
-        self._unmask = ops.asarray(np.zeros((prompt.batch_size, 1, 1, 1)), self.dtype)
+        self._allocate_decode_mask(whole=self.cache.is_static)
         return _logits(output)
 
-    def decode(self, tokens: np.ndarray, tokens_device):
-        self.append(tokens)
-        if not self.config.use_cache:
-            return self._full_recompute()
-        ops = self.ops
-        position = self.cache.seq_length
-        ops.write_slice(self._mask, 3, position, self._unmask)
-        mask = self._mask if self.cache.is_static else self._mask[:, :, :, : position + 1]
-        positions = ops.asarray(self.next_position[:, None], "int64")
-        self.next_position = self.next_position + 1
-        output = self.model(
+    def _call_decode(self, tokens_device, positions, mask):
+        output = self._call(
             tokens_device, position_ids=positions, attention_mask=mask, past_key_values=self.cache, logits_to_keep=1
         )
         self.cache.advance(1)
@@ -182,48 +264,54 @@ class CacheObjectDriver(_Driver):
 
 class HFDriver(_Driver):
     """Contract 3: an HF transformers model on HF's ``DynamicCache`` (HF generate's default);
-    ``cache_implementation`` applies to cache-object models only."""
+    ``cache_implementation`` applies to cache-object models only.
+
+    The cache goes under the name the forward declares (``cache`` in newer transformers,
+    ``past_key_values`` before); ``logits_to_keep`` only when declared; ``use_cache`` and
+    ``return_dict`` when declared or taken by ``**kwargs``. A forward with no cache argument
+    is recomputed each step."""
 
     def __init__(self, *args):
         super().__init__(*args)
-        params = inspect.signature(self.model.forward).parameters
-        self._keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        sig = self.signature
+        if sig.declares("cache"):
+            self.cache_argument = "cache"
+        elif sig.accepts("past_key_values"):
+            self.cache_argument = "past_key_values"
+        else:
+            self.cache_argument = None
+        self.use_cache = self.config.use_cache and self.cache_argument is not None
+        fixed = {"return_dict": True} if sig.accepts("return_dict") else {}
+        if sig.accepts("use_cache"):
+            fixed["use_cache"] = self.use_cache
+        if sig.declares("logits_to_keep"):
+            fixed["logits_to_keep"] = 1
+        self._fixed = fixed
         self._cache = None
 
-    def _mask2d(self):
-        # HF drops an all-ones mask before the first forward
-        return self.ops.asarray(self.host_mask, "int64") if self.prompt.padded else None
+    def _forward(self, ids, positions):
+        kwargs = dict(self._fixed)
+        if self.cache_argument is not None:  # None while use_cache=False, as HF passes it
+            kwargs[self.cache_argument] = self._cache
+        if self.signature.accepts("attention_mask"):  # HF drops an all-ones mask before the first forward
+            kwargs["attention_mask"] = self.ops.asarray(self.host_mask, "int64") if self.prompt.padded else None
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        return _logits(self.model(input_ids=ids, **kwargs))
 
-    def _positions(self, last_only: bool):
-        if last_only:  # the new token of each row: real prompt length + step
-            positions, self.next_position = self.next_position[:, None], self.next_position + 1
-            return self.ops.asarray(positions, "int64")
-        mask = self.host_mask
-        return self.ops.asarray(np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0).astype(np.int64), "int64")
-
-    def _forward(self, ids, last_only: bool):
-        return self.model(
-            input_ids=ids,
-            attention_mask=self._mask2d(),
-            position_ids=self._positions(last_only),
-            past_key_values=self._cache,
-            use_cache=self.config.use_cache,
-            return_dict=True,
-            **self._keep,
-        )
+    def _full_recompute(self):
+        positions = self._device(_cumsum_positions(self.host_mask), "int64", "position_ids")
+        return self._forward(self.ops.asarray(self.host_ids, "int64"), positions)
 
     def prefill(self):
-        if self.config.use_cache:
+        if self.use_cache:
             from transformers import DynamicCache  # an HF model is in hand, so transformers is installed
 
             self._cache = DynamicCache(config=self.model.config)
-        return self._forward(self.ops.asarray(self.prompt.ids, "int64"), last_only=False).logits
+        return self._full_recompute()
 
-    def decode(self, tokens: np.ndarray, tokens_device):
-        self.append(tokens)
-        if not self.config.use_cache:
-            return self._forward(self.ops.asarray(self.host_ids, "int64"), last_only=False).logits
-        return self._forward(tokens_device, last_only=True).logits
+    def _call_decode(self, tokens_device, positions, mask):
+        return self._forward(tokens_device, positions)
 
 
 def make_driver(model, ops, prompt, config, dtype: str):
