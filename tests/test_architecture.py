@@ -150,3 +150,15 @@ def test_backend_names_live_in_the_registry_only():
             if needle in text:
                 offenders.append(f"{module}: {needle}")
     assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("module", ["hyper_gen", "hyper_gen.cli", "hyper_gen.models.loading", "hyper_gen.bench"])
+def test_importing_the_package_imports_no_framework(module):
+    """A backend is imported when one is chosen (a model handed in, --backend), never before."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print(sorted(set(sys.modules) & {set(FRAMEWORKS)!r}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
