@@ -1,9 +1,17 @@
-"""Offline JSONL generation (rollouts, evals) that survives interruption.
+"""Offline JSONL generation (rollouts, evals) that survives interruption and bad input.
 
 Input lines are ``{"id": ..., "prompt": "..."}``. Each result is appended as one JSON line and
-flushed as soon as its micro-batch finishes, so a killed run loses at most the batch in flight.
-Rerunning skips ids already in the output, and drops a half-written last line first, so no row
-is lost or written twice. Micro-batches are sorted by prompt length to waste little on padding.
+flushed (and fsynced) as soon as its micro-batch finishes, so a killed run loses at most the batch
+in flight. Rerunning skips ids already in the output, and drops a half-written last line first, so
+no row is lost or written twice. Micro-batches are sorted by prompt length to waste little on
+padding, so the output is in completion order: match rows by id.
+
+No single input can stop a job. A malformed input line (not JSON, not UTF-8, no id or prompt, a
+duplicate id) is reported with its line number and skipped. A row generate cannot take (an empty
+prompt, text that is not encodable, more tokens than the model's context) is written as an error
+record ``{"id": ..., "error": "..."}``, which counts as done on a rerun: delete its line to retry
+it. Paths that cannot work (input and output the same file, an output that cannot be written, an
+output file corrupt before its last line) are refused before the model loads.
 """
 
 from __future__ import annotations
@@ -11,95 +19,307 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from .common import Interrupted, completions
+from .common import Interrupted, UsageError, completions
+
+# tokenizers that declare no length limit say model_max_length = int(1e30)
+_NO_LIMIT = 10**9
+
+
+@dataclass
+class Row:
+    line: int  # in the input file
+    id: object
+    prompt: str
+
+    @property
+    def key(self) -> str:
+        return json.dumps(self.id)
+
+
+@dataclass
+class Job:
+    """A JSONL job, read and checked before the model loads (every rank reads the same)."""
+
+    input_path: str
+    output_path: str
+    rows: list  # [Row] of well-formed input lines
+    notes: list = field(default_factory=list)  # one line per skipped input line
+    done: set = field(default_factory=set)  # json.dumps(id) of rows already in the output
+    keep_bytes: int = 0  # the output's length without a partial last line
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def check_paths(input_path: str, output_path: str) -> None:
+    """UsageError unless the input can be read and the output appended to (and they differ)."""
+    if not os.path.exists(input_path):
+        raise UsageError(f"--input file {input_path!r} does not exist")
+    if not os.path.isfile(input_path):
+        raise UsageError(f"--input {input_path!r} is not a file")
+    if not os.access(input_path, os.R_OK):
+        raise UsageError(f"--input file {input_path!r} is not readable")
+    out = output_path
+    if os.path.isdir(out):
+        raise UsageError(f"--output {out!r} is a directory; give a file in it, e.g. {os.path.join(out, 'out.jsonl')!r}")
+    if os.path.exists(out):
+        try:
+            same = os.path.samefile(input_path, out)
+        except OSError:
+            same = False
+        if same:
+            raise UsageError(
+                f"--input {input_path!r} and --output {out!r} are the same file: results would be appended to "
+                "the prompts; give another --output"
+            )
+        if not os.path.isfile(out):
+            raise UsageError(f"--output {out!r} is not a regular file (a resumable job appends to a file)")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.exists(parent):
+        raise UsageError(f"--output {out!r}: directory {parent!r} does not exist")
+    if not os.path.isdir(parent):
+        raise UsageError(f"--output {out!r}: {parent!r} is not a directory")
+    try:  # the real test: permissions, read-only file systems, root or not
+        if os.path.exists(out):
+            with open(out, "ab"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=parent):
+                pass
+    except OSError as exc:
+        where = out if os.path.exists(out) else parent
+        raise UsageError(f"--output {out!r} cannot be written ({where!r}: {exc.strerror or exc})") from None
 
 
 def read_prompts(path: str):
-    """[(line number, id, prompt)] of well-formed lines; malformed ones are reported and skipped."""
-    rows, seen = [], set()
-    with open(path, encoding="utf-8") as f:
+    """([Row] of well-formed lines, [one-line note per skipped malformed line])."""
+    rows, notes, seen = [], [], set()
+    # surrogateescape: invalid UTF-8 is reported for its line instead of failing the whole file
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
+                try:
+                    line.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    byte = ord(line[exc.start]) - 0xDC00
+                    raise ValueError(f"not UTF-8: byte 0x{byte:02x} at column {exc.start + 1}") from None
                 record = json.loads(line)
                 if not isinstance(record, dict):
                     raise ValueError("not a JSON object")
                 if "id" not in record or not isinstance(record.get("prompt"), str):
                     raise ValueError('needs "id" and a string "prompt"')
-                key = json.dumps(record["id"])
-                if key in seen:
+                row = Row(number, record["id"], record["prompt"])
+                if row.key in seen:
                     raise ValueError(f"duplicate id {record['id']!r}")
             except ValueError as exc:
-                print(f"hyper-gen: {path}:{number}: skipped malformed line ({exc})", file=sys.stderr)
+                notes.append(f"hyper-gen: {path}:{number}: skipped malformed line ({exc})")
                 continue
-            seen.add(key)
-            rows.append((number, record["id"], record["prompt"]))
-    return rows
+            seen.add(row.key)
+            rows.append(row)
+    return rows, notes
 
 
-def finished_ids(path: str) -> set:
-    """ids already written; a trailing partial line (from a kill mid-write) is cut off first."""
+def scan_output(path: str):
+    """(ids already written, length to keep), reading only: a partial last line (a kill in the
+    middle of a write) is left out; a corrupt line before it is a UsageError naming the line."""
     if not os.path.exists(path):
-        return set()
-    with open(path, "rb+") as f:
+        return set(), 0
+    with open(path, "rb") as f:
         data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            f.truncate(end)
+    end = data.rfind(b"\n") + 1
     done = set()
-    for line in data[:end].decode("utf-8").splitlines():
-        if line.strip():
-            done.add(json.dumps(json.loads(line)["id"]))
-    return done
+    for number, line in enumerate(data[:end].split(b"\n")[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+            if not isinstance(record, dict) or "id" not in record:
+                raise ValueError('not a JSON object with an "id"')
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError included
+            raise UsageError(
+                f"{path}:{number}: corrupt line in the output file ({_first_line(exc)}); only a partial last "
+                f"line is cut off by itself: fix or delete line {number}, then rerun"
+            ) from None
+        done.add(json.dumps(record["id"]))
+    return done, end
 
 
-def run_jsonl(model, tokenizer, config, input_path: str, output_path: str, batch_size: int, write: bool = True) -> int:
-    rows = read_prompts(input_path)
-    done = finished_ids(output_path) if write else set()
-    todo = [row for row in rows if json.dumps(row[1]) not in done]
-    lengths = {i: len(tokenizer(row[2], add_special_tokens=False)["input_ids"]) for i, row in enumerate(todo)}
-    order = sorted(range(len(todo)), key=lambda i: lengths[i])
-    out = open(output_path, "a", encoding="utf-8") if write else None
-    progress = tqdm(
-        total=len(rows), initial=len(rows) - len(todo), unit="row", disable=not write, desc="generate", file=sys.stderr
-    )
-    tokens, start = 0, time.perf_counter()
+def open_job(input_path: str, output_path: str) -> Job:
+    """The job the paths describe, or a UsageError; nothing is written."""
+    check_paths(input_path, output_path)
     try:
-        for first in range(0, len(order), batch_size):
-            batch = [todo[i] for i in order[first : first + batch_size]]
-            texts, counts, reasons = completions(model, tokenizer, [row[2] for row in batch], config)
-            tokens += sum(counts)
-            if out is not None:
-                for (_, row_id, prompt), text, count, reason in zip(batch, texts, counts, reasons):
-                    out.write(
-                        json.dumps(
-                            {
-                                "id": row_id,
-                                "prompt": prompt,
-                                "completion": text,
-                                "completion_tokens": count,
-                                "finish_reason": reason,
-                            }
-                        )
-                        + "\n"
+        rows, notes = read_prompts(input_path)
+        done, keep = scan_output(output_path)
+    except OSError as exc:
+        raise UsageError(f"cannot read {exc.filename!r}: {exc.strerror or exc}") from None
+    return Job(input_path, output_path, rows, notes, done, keep)
+
+
+def context_length(model, tokenizer=None, path=None):
+    """The model's context in positions (prompt + generated tokens), or None where none is declared:
+    the model config's ``max_position_embeddings``, else the checkpoint's, else the tokenizer's
+    ``model_max_length``."""
+
+    def positive(value):
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    config = getattr(model, "config", None)
+    for source in (config, getattr(config, "text_config", None)):
+        value = positive(getattr(source, "max_position_embeddings", None))
+        if value:
+            return value
+    if path is not None:
+        from hyper_gen.models.checkpoint import Checkpoint
+
+        try:
+            value = positive(Checkpoint(path).config.get("max_position_embeddings"))
+        except (OSError, ValueError, TypeError):
+            value = None
+        if value:
+            return value
+    value = positive(getattr(tokenizer, "model_max_length", None))
+    return value if value and value < _NO_LIMIT else None
+
+
+def check_row(prompt: str, tokenizer, max_new_tokens: int, context):
+    """(token count, None) for a prompt generate can take, or (token count, what is wrong)."""
+    if not prompt.strip():
+        return 0, "empty prompt" if not prompt else "prompt is only whitespace"
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return 0, (
+            f"prompt is not valid text: lone surrogate {prompt[exc.start]!r} at character {exc.start} "
+            "(an unpaired \\u escape in the JSON)"
+        )
+    try:
+        length = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    except Exception as exc:  # any tokenizer failure stays this row's
+        return 0, f"the tokenizer rejects the prompt: {_first_line(exc)}"
+    if length == 0:
+        return 0, "prompt has no tokens"
+    if context is not None and length + max_new_tokens > context:
+        return length, (
+            f"prompt is {length} tokens: with max_new_tokens={max_new_tokens} that is {length + max_new_tokens} "
+            f"positions, more than the model's context of {context}"
+        )
+    return length, None
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def run_jsonl(model, tokenizer, config, job: Job, batch_size: int, write: bool = True, context=None) -> int:
+    """Generate every row of ``job`` not yet in its output; rank 0 (``write``) appends and reports.
+
+    Every rank runs the same batches (generate checks that they do), so every rank reads the job
+    before the model loads and only rank 0 touches the output."""
+
+    def say(line: str) -> None:
+        if write:
+            tqdm.write(line, file=sys.stderr)
+
+    for note in job.notes:
+        say(note)
+    rows = [row for row in job.rows if row.key not in job.done]
+    out = None
+    if write:
+        if os.path.exists(job.output_path) and os.path.getsize(job.output_path) > job.keep_bytes:
+            with open(job.output_path, "rb+") as f:  # the half-written last line of a killed run
+                f.truncate(job.keep_bytes)
+        out = open(job.output_path, "a", encoding="utf-8")
+
+    def append(records) -> None:
+        if out is not None and records:
+            out.write("".join(json.dumps(record) + "\n" for record in records))
+            out.flush()
+            os.fsync(out.fileno())
+
+    def failed(row: Row, message: str) -> dict:
+        say(f"hyper-gen: {job.input_path}:{row.line}: id {row.id!r}: {message} (error record written)")
+        return {"id": row.id, "error": message}
+
+    def alone(row: Row):
+        try:
+            return [row], completions(model, tokenizer, [row.prompt], config)
+        except (ValueError, TypeError) as exc:
+            return [row], exc
+
+    total, already = len(job.rows), len(job.rows) - len(rows)
+    generated = errors = tokens = 0
+    progress = None
+    start = time.perf_counter()
+    try:
+        good, lengths, bad = [], {}, []
+        for row in rows:
+            length, problem = check_row(row.prompt, tokenizer, config.max_new_tokens, context)
+            if problem is None:
+                good.append(row)
+                lengths[row.line] = length
+            else:
+                bad.append(failed(row, problem))
+        append(bad)
+        errors += len(bad)
+        good.sort(key=lambda row: lengths[row.line])
+        progress = tqdm(
+            total=total, initial=already + errors, unit="row", disable=not write, desc="generate", file=sys.stderr
+        )
+        start = time.perf_counter()
+        for first in range(0, len(good), batch_size):
+            batch = good[first : first + batch_size]
+            try:
+                results = [(batch, completions(model, tokenizer, [row.prompt for row in batch], config))]
+            except (ValueError, TypeError) as exc:  # a row generate rejects: find it, keep the others
+                results = [(batch, exc)] if len(batch) == 1 else [alone(row) for row in batch]
+            records = []
+            for part, result in results:
+                if isinstance(result, Exception):
+                    records.append(failed(part[0], _first_line(result)))
+                    continue
+                for row, text, count, reason in zip(part, *result):
+                    records.append(
+                        {
+                            "id": row.id,
+                            "prompt": row.prompt,
+                            "completion": text,
+                            "completion_tokens": count,
+                            "finish_reason": reason,
+                        }
                     )
-                out.flush()
-                os.fsync(out.fileno())
+            append(records)  # counted once on disk
+            new_errors = sum("error" in record for record in records)
+            errors += new_errors
+            generated += len(records) - new_errors
+            tokens += sum(record.get("completion_tokens", 0) for record in records)
             progress.update(len(batch))
             progress.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
     except KeyboardInterrupt:
-        finished = progress.n
+        finished = already + generated + errors
         raise Interrupted(
-            f"interrupted after {finished} of {len(rows)} rows; {output_path!r} keeps every finished row: "
+            f"interrupted after {finished} of {total} rows; {job.output_path!r} keeps every finished row: "
             "run the same command again to resume"
         ) from None
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
         if out is not None:
             out.close()
+    seconds = time.perf_counter() - start
+    rate = f"{tokens / seconds:.0f} tok/s" if seconds > 0 else "- tok/s"
+    retry = f" (delete {'its line' if errors == 1 else 'their lines'} from the output to retry)" if errors else ""
+    say(
+        f"hyper-gen: {_plural(total, 'row')}: {generated} generated, {_plural(errors, 'error')}{retry}, "
+        f"{already} already done; {tokens} tokens in {seconds:.1f} s ({rate}) -> {job.output_path}"
+    )
     return 0

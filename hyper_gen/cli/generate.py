@@ -8,8 +8,8 @@ import sys
 from hyper_gen.generation import generate
 from hyper_gen.streaming import TextStreamer
 
-from .batch_jobs import run_jsonl
-from .common import UsageError, completions, generation_config, load_everything, rank
+from .batch_jobs import context_length, open_job, run_jsonl
+from .common import UsageError, completions, generation_config, load_everything, model_path, rank
 
 
 def run_generate(args) -> int:
@@ -22,13 +22,16 @@ def run_generate(args) -> int:
     for prompt in args.prompt:
         if not prompt.strip():
             raise UsageError(f"--prompt must not be empty, got {prompt!r}")
-    if args.input and not os.path.isfile(args.input):
-        raise UsageError(f"--input file {args.input!r} does not exist")
+    if args.output and not args.input:
+        raise UsageError("--output is for --input FILE.jsonl jobs; --prompt prints to stdout")
+    # the job's paths and files are checked before the model loads, by every rank alike
+    job = open_job(args.input, args.output) if args.input else None
     model, tokenizer, defaults = load_everything(args)
     config = generation_config(args, defaults)
     rank0 = rank(args.backend) == 0
-    if args.input:
-        return run_jsonl(model, tokenizer, config, args.input, args.output, args.batch_size, write=rank0)
+    if job is not None:
+        context = context_length(model, tokenizer, model_path(args))
+        return run_jsonl(model, tokenizer, config, job, args.batch_size, write=rank0, context=context)
     if args.stream:
         for prompt in args.prompt:
             streamer = TextStreamer(
