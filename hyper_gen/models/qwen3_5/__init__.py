@@ -16,7 +16,9 @@ NAME = "qwen3_5"
 
 
 def config_from_checkpoint(checkpoint: Checkpoint) -> Qwen3_5Config:
-    return Qwen3_5Config.from_dict(checkpoint.config)
+    """The checked config (``Qwen3_5Config.from_checkpoint``): config.json's fields, and config.json
+    against the checkpoint's tensors and token ids, before any weight is read."""
+    return Qwen3_5Config.from_checkpoint(checkpoint)
 
 
 __all__ = ["ARCHITECTURES", "NAME", "Qwen3_5Config", "check_tp", "config_from_checkpoint", "describe"]

@@ -6,6 +6,8 @@ fails with the field named before any weight is read.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -16,6 +18,7 @@ ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
 )
 LAYER_TYPES = ("linear_attention", "full_attention")
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,12 @@ class Qwen3_5Config:
                 raise ValueError(f"config.json field {name!r} must be > 0, got {value!r}")
             return kind(value)
 
+        def number(name, value, default):
+            value = default if value is None else value  # null: the default, as for a missing field
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"config.json field {name!r} must be a finite number, got {value!r}")
+            return float(value)
+
         hidden_act = config.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"config.json field 'hidden_act' must be 'silu', got {hidden_act!r}")
@@ -73,12 +82,16 @@ class Qwen3_5Config:
             raise ValueError("config.json field 'attention_bias' must be false (Qwen3.5 has no attention bias)")
 
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json field 'rope_parameters' must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"config.json rope_parameters 'rope_type' must be 'default', got {rope_type!r}")
-        rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        rope_theta = number("rope_theta", rope.get("rope_theta", config.get("rope_theta")), 10000.0)
         # transformers defaults partial_rotary_factor to 0.25 for Qwen3.5 when the config omits it
-        partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25)))
+        partial = number(
+            "partial_rotary_factor", rope.get("partial_rotary_factor", config.get("partial_rotary_factor")), 0.25
+        )
 
         hidden_size = field("hidden_size")
         num_heads = field("num_attention_heads")
@@ -103,6 +116,8 @@ class Qwen3_5Config:
             layer_types = [
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
             ]
+        if not isinstance(layer_types, (list, tuple)):
+            raise ValueError(f"config.json field 'layer_types' must be a list, got {layer_types!r}")
         layer_types = tuple(layer_types)
         if len(layer_types) != num_layers:
             raise ValueError(
@@ -131,7 +146,7 @@ class Qwen3_5Config:
             hidden_size=hidden_size,
             num_hidden_layers=num_layers,
             layer_types=layer_types,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=number("rms_norm_eps", config.get("rms_norm_eps"), 1e-6),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
@@ -149,3 +164,33 @@ class Qwen3_5Config:
             moe_intermediate_size=field("moe_intermediate_size") if moe else 0,
             shared_expert_intermediate_size=field("shared_expert_intermediate_size") if moe else 0,
         )
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint) -> "Qwen3_5Config":
+        """The config of a ``hyper_gen.models.checkpoint.Checkpoint``, checked against what the
+        checkpoint holds (``check_checkpoint``), before any weight is read; every error names the
+        checkpoint folder."""
+        try:
+            config = cls.from_dict(checkpoint.config)
+        except ValueError as error:
+            raise ValueError(f"checkpoint {checkpoint.path!r}: {error}") from None
+        check_checkpoint(config, checkpoint)
+        return config
+
+
+def check_checkpoint(config: Qwen3_5Config, checkpoint) -> None:
+    """What config.json says against the checkpoint's files: no tensors for layers past
+    ``num_hidden_layers`` (they would be ignored silently), and eos / pad ids in the vocabulary."""
+    layers = {}  # layer index -> one of its tensors
+    for name in checkpoint.names():
+        match = _LAYER_TENSOR.match(name)
+        if match:
+            layers.setdefault(int(match.group(1)), name)
+    last = max(layers, default=-1)
+    if last >= config.num_hidden_layers:
+        raise ValueError(
+            f"checkpoint {checkpoint.path!r}: {checkpoint.file_of(layers[last])} has tensors for layer {last} "
+            f"(e.g. {layers[last]!r}) but {checkpoint.config_file} has num_hidden_layers {config.num_hidden_layers}: "
+            "the config does not describe these weights"
+        )
+    checkpoint.check_token_ids(config.vocab_size)
