@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -19,6 +20,9 @@ def init_from_env(device: str = None, timeout_s: float = 600.0) -> bool:
     dist.init_process_group(
         backend=distributed_backend(device or default_device()), timeout=timedelta(seconds=timeout_s)
     )
+    # a group left open at interpreter exit aborts gloo ("terminate called without an active
+    # exception", SIGABRT): leave it cleanly when the user's script just ends
+    atexit.register(shutdown)
     return True
 
 
