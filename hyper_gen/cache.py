@@ -9,6 +9,11 @@ and writes into it (``update(key, value, layer_idx)``), so a decode step never c
 (Gated DeltaNet conv and recurrent state), which a list of (K, V) cannot.
 Buffers are allocated lazily from the first write, so a tensor-parallel rank gets its local head
 count for free.
+
+A static cache is preallocated for the prompt + ``max_new_tokens`` positions (capped at the
+model's context when it declares one), so its length is bounded by ``MAX_STATIC_POSITIONS``: a
+longer one raises ``ValueError`` naming max_new_tokens before any forward, as does an
+allocation that fails, instead of a framework out-of-memory error or a minutes-long allocation.
 """
 
 from __future__ import annotations
@@ -16,6 +21,17 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 Tensor = Any
+
+# the longest static cache (positions per row) generate() preallocates; past it, use "dynamic"
+MAX_STATIC_POSITIONS = 1 << 20
+
+
+def _too_long(max_length: int, detail: str) -> ValueError:
+    return ValueError(
+        f"max_new_tokens is too large for cache_implementation='static', which preallocates prompt + "
+        f"max_new_tokens = {max_length} positions per row{detail}: lower max_new_tokens, or pass "
+        "cache_implementation='dynamic' (it grows as tokens are generated)"
+    )
 
 
 class KVCache:
@@ -104,6 +120,8 @@ class StaticCache(_ModelCache):
     is_static = True
 
     def __init__(self, ops, batch_size: int, max_length: int):
+        if max_length > MAX_STATIC_POSITIONS:
+            raise _too_long(max_length, f", over hyper_gen.cache.MAX_STATIC_POSITIONS = {MAX_STATIC_POSITIONS}")
         super().__init__(ops, batch_size, max_length)
         self.keys: Dict[int, Tensor] = {}
         self.values: Dict[int, Tensor] = {}
@@ -111,10 +129,15 @@ class StaticCache(_ModelCache):
     def update(self, key: Tensor, value: Tensor, layer_idx: int) -> Tuple[Tensor, Tensor]:
         if layer_idx not in self.keys:
             b, h, _, d = key.shape
-            self.keys[layer_idx] = self.ops.zeros((b, h, self.max_length, d), self.ops.dtype_name(key))
-            self.values[layer_idx] = self.ops.zeros(
-                (b, value.shape[1], self.max_length, value.shape[3]), self.ops.dtype_name(value)
-            )
+            try:
+                self.keys[layer_idx] = self.ops.zeros((b, h, self.max_length, d), self.ops.dtype_name(key))
+                self.values[layer_idx] = self.ops.zeros(
+                    (b, value.shape[1], self.max_length, value.shape[3]), self.ops.dtype_name(value)
+                )
+            except (MemoryError, RuntimeError) as error:  # torch / MindSpore out of memory
+                self.keys.pop(layer_idx, None)
+                detail = f", and allocating layer {layer_idx}'s buffers failed ({error})"
+                raise _too_long(self.max_length, detail) from error
         end = self.seq_length + key.shape[2]
         if end > self.max_length:
             raise ValueError(f"cache overflow: writing up to position {end} > max_length {self.max_length}")

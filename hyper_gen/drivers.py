@@ -145,11 +145,15 @@ class _Driver:
         )
 
     def _allocate_decode_mask(self, whole: bool) -> None:
-        """Preallocate the decode mask: prompt padding masked, later columns masked until written."""
+        """Preallocate the decode mask: prompt padding masked, later columns masked until written.
+
+        A static cache attends over all its columns, so its mask is whole; otherwise it starts 256
+        steps wide and doubles when the sequence outgrows it (nothing sized to max_new_tokens)."""
         if not self.signature.accepts("attention_mask"):
             return
         prompt = self.prompt
-        self._decode_mask = self.ops.asarray(decode_mask(prompt.mask, self.total_length, self.dtype), self.dtype)
+        columns = self.total_length if whole else min(self.total_length, prompt.width + 256)
+        self._decode_mask = self.ops.asarray(decode_mask(prompt.mask, columns, self.dtype), self.dtype)
         self._unmask = self.ops.asarray(np.zeros((prompt.batch_size, 1, 1, 1)), self.dtype)
         self._whole_decode_mask = whole
 
@@ -160,6 +164,10 @@ class _Driver:
         length = self.host_ids.shape[1]
         mask = self._decode_mask
         if mask is not None:
+            if length > mask.shape[3]:  # grown past it (never whole): twice the columns, the new ones masked
+                extra = min(self.total_length, 2 * mask.shape[3]) - mask.shape[3]
+                masked = decode_mask(np.zeros((mask.shape[0], 0), dtype=np.int64), extra, self.dtype)
+                mask = self._decode_mask = self.ops.concat([mask, self.ops.asarray(masked, self.dtype)], 3)
             self.ops.write_slice(mask, 3, length - 1, self._unmask)  # the new token's column
             if not self._whole_decode_mask:
                 mask = mask[:, :, :, :length]

@@ -14,7 +14,7 @@ import numpy as np
 
 from .config import GenerationConfig, resolve_config
 from .drivers import make_driver
-from .inputs import prepare_prompts
+from .inputs import ModelLimits, check_against_model, check_vocabulary, prepare_prompts
 from .parallel.model_group import check_consistent_inputs, gather_vocab_logits
 from .registry import backend_for
 from .sampling import TokenSelector, apply_stopping_criteria
@@ -42,6 +42,13 @@ def generate(
 
     Returns an int64 tensor of the model's framework, (B, max_total_len): row i is its prompt
     without padding, its generated tokens (with the EOS that ended it), then ``pad_token_id``.
+
+    Bad input raises ``ValueError`` / ``TypeError`` naming the field and value before any forward
+    where the model declares what is needed (``vocab_size``, ``max_position_embeddings``, on the
+    model or its ``config``): token ids, pad / EOS ids outside the vocabulary (else checked on the
+    first logits' width, before the first token is chosen), a prompt that fills the context. A
+    row stops where its prompt + generated tokens fill the declared context. Scores that are NaN,
+    +inf or all -inf in a running row raise at that step (sampling.py).
     """
     if model is None or not callable(model):
         raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
@@ -49,34 +56,46 @@ def generate(
     ops = backend_for(model, input_ids)
     prompt = prepare_prompts(input_ids, attention_mask)
     check_consistent_inputs(ops, model, prompt, config)
+    limits = ModelLimits.of(model)  # vocab_size / max_position_embeddings, where the model declares them
+    check_against_model(prompt, config, limits)  # before any forward
     dtype = ops.param_dtype(model)
     with ops.no_grad():
-        return _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens)
+        return _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens, limits)
 
 
-def _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens):
+def _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens, limits):
     batch = prompt.batch_size
-    driver = make_driver(model, ops, prompt, config, dtype)
+    # per row: max_new_tokens, or fewer where the model's context ends (a row stops there)
+    room = limits.new_token_room(prompt, config.max_new_tokens)
+    capped = room < config.max_new_tokens
+    steps = int(room.max())
+    driver = make_driver(model, ops, prompt, _for_steps(config, steps), dtype)
     eos = np.asarray(config.eos_token_ids, dtype=np.int64)
     pad = config.pad_token_id
     needs_ids = bool(config.logits_processor or config.stopping_criteria)
     ids_view = ops.asarray(prompt.ids, "int64") if needs_ids else None
     unfinished = np.ones(batch, dtype=bool)
-    generated = np.empty((batch, config.max_new_tokens), dtype=np.int64)
+    generated = np.empty((batch, min(steps, 256)), dtype=np.int64)  # grows as steps happen
     new_counts = np.zeros(batch, dtype=np.int64)
     if streamer is not None:
         streamer.put(prompt.ids.copy())
 
     logits = driver.prefill()
     selector = None
-    for step in range(config.max_new_tokens):
+    for step in range(steps):
         scores = ops.cast(gather_vocab_logits(ops, model, logits[:, -1]), "float32")
         if selector is None:
+            if limits.vocab_size is None:  # undeclared: the logits tell, before the first token is chosen
+                check_vocabulary(prompt, config, int(scores.shape[-1]), "the width of its logits")
             selector = TokenSelector(ops, config, prompt, int(scores.shape[-1]))
-        tokens = selector.select(scores, step, ids_view)
+        tokens = selector.select(scores, step, ids_view, unfinished)
         tokens = np.where(unfinished, tokens, pad)
+        if step == generated.shape[1]:
+            generated = _widen(generated, steps)
         generated[:, step] = tokens
         new_counts += unfinished
+        if capped.any():
+            unfinished &= ~(capped & (new_counts >= room))
         tokens_device = ops.asarray(tokens[:, None], "int64")
         selector.observe(tokens_device)
         if needs_ids:
@@ -90,12 +109,26 @@ def _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens):
             streamer.put(tokens.copy())
         if on_tokens is not None:
             on_tokens(step, tokens.copy(), ~unfinished)
-        if not unfinished.any() or step + 1 == config.max_new_tokens:
+        if not unfinished.any() or step + 1 == steps:
             break
         logits = driver.decode(tokens, tokens_device)
     if streamer is not None:
         streamer.end()
     return ops.asarray(_assemble(prompt, generated, new_counts, pad), "int64")
+
+
+def _for_steps(config, steps: int):
+    """The config the driver sizes its buffers (static cache, masks) from: at most ``steps`` tokens."""
+    if steps == config.max_new_tokens:
+        return config
+    return config.replace(max_new_tokens=steps, min_new_tokens=min(config.min_new_tokens, steps))
+
+
+def _widen(buffer: np.ndarray, limit: int) -> np.ndarray:
+    """``buffer`` (B, n) with twice the columns (at most ``limit``), its contents kept."""
+    wider = np.empty((buffer.shape[0], min(limit, 2 * buffer.shape[1])), dtype=buffer.dtype)
+    wider[:, : buffer.shape[1]] = buffer
+    return wider
 
 
 def _assemble(prompt, generated, new_counts, pad) -> np.ndarray:

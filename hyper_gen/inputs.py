@@ -1,13 +1,22 @@
-"""Validate a call's input_ids / attention_mask once, on the host, into a ``PromptBatch``."""
+"""Validate a call's input_ids / attention_mask once, on the host, into a ``PromptBatch``, and
+check them (with the config's pad / EOS ids) against what the model declares about itself."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from .registry import to_host
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+class InputTypeError(TypeError, ValueError):
+    """Input of the wrong kind (float token ids): a ``TypeError``, and a ``ValueError`` for callers
+    that caught the ``ValueError`` earlier versions raised."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,12 @@ class PromptBatch:
         return self.ids[row, self.width - int(self.lengths[row]) :]
 
 
+def _first(where: np.ndarray):
+    """(row, column) of the first True of a 2-D bool array, row-major."""
+    row, col = np.unravel_index(int(np.argmax(where)), where.shape)
+    return int(row), int(col)
+
+
 def _as_2d_int(name: str, value: Any) -> np.ndarray:
     value = to_host(value)
     try:
@@ -54,15 +69,25 @@ def _as_2d_int(name: str, value: Any) -> np.ndarray:
     if array.dtype == bool and name == "attention_mask":
         array = array.astype(np.int64)
     if not np.issubdtype(array.dtype, np.integer):
+        if name == "input_ids":
+            raise InputTypeError(f"input_ids must hold integers (token ids), got dtype {array.dtype}")
         raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
+    if np.issubdtype(array.dtype, np.unsignedinteger) and array.dtype.itemsize == 8:
+        too_big = array > _INT64_MAX  # would wrap to negative in int64
+        if too_big.any():
+            row, col = _first(too_big)
+            raise ValueError(f"{name}[{row}, {col}] = {int(array[row, col])} does not fit int64 (max {_INT64_MAX})")
     return array.astype(np.int64, copy=False)
 
 
 def prepare_prompts(input_ids: Any, attention_mask: Any = None) -> PromptBatch:
     """Check the RFC input rules and return the host-side batch."""
     ids = _as_2d_int("input_ids", input_ids)
-    if (ids < 0).any():
-        raise ValueError(f"input_ids must be non-negative token ids, got {int(ids.min())}")
+    negative = ids < 0
+    if negative.any():
+        row, col = _first(negative)
+        value = int(ids[row, col])
+        raise ValueError(f"input_ids must be non-negative token ids, got input_ids[{row}, {col}] = {value}")
     if attention_mask is None:
         mask = np.ones_like(ids)
     else:
@@ -83,3 +108,84 @@ def prepare_prompts(input_ids: Any, attention_mask: Any = None) -> PromptBatch:
             "hyper_gen expects left padding (tokenizer padding_side='left')"
         )
     return PromptBatch(ids=ids, mask=mask, lengths=lengths.astype(np.int64), padded=bool((mask == 0).any()))
+
+
+# ---- what the model declares about itself ------------------------------------------------
+def _declared(model, name: str) -> Optional[int]:
+    """``model.<name>``, else ``model.config.<name>`` (HF composite configs: their text config);
+    None unless a positive int."""
+    value = getattr(model, name, None)
+    if value is None:
+        config = getattr(model, "config", None)
+        text_config = getattr(config, "get_text_config", None)
+        if callable(text_config):
+            try:
+                config = text_config()
+            except Exception:  # a config object of another kind: use it as is
+                pass
+        value = getattr(config, name, None)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value <= 0:
+        return None
+    return int(value)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model declares: ``vocab_size`` (token ids are < it) and ``context`` (its
+    ``max_position_embeddings``: positions are < it); None where it declares nothing."""
+
+    vocab_size: Optional[int]
+    context: Optional[int]
+
+    @classmethod
+    def of(cls, model) -> "ModelLimits":
+        return cls(_declared(model, "vocab_size"), _declared(model, "max_position_embeddings"))
+
+    def new_token_room(self, prompt: PromptBatch, max_new_tokens: int) -> np.ndarray:
+        """(B,) the most tokens each row may generate: ``max_new_tokens``, and no more than fit the
+        context with the row's prompt (prompt + generated <= ``context``: the row stops there)."""
+        room = np.full(prompt.batch_size, max_new_tokens, dtype=np.int64)
+        if self.context is not None:
+            room = np.minimum(room, self.context - prompt.lengths)
+        return room
+
+
+def check_vocabulary(prompt: PromptBatch, config, vocab_size: int, source: str) -> None:
+    """Every prompt id, ``pad_token_id`` and EOS id must be a token id (< ``vocab_size``).
+
+    ``source`` says where the vocabulary size came from, for the message."""
+    vocab = f"the model's vocabulary of {vocab_size} tokens ({source}; ids 0..{vocab_size - 1})"
+    outside = prompt.ids >= vocab_size
+    if outside.any():
+        row, col = _first(outside)
+        where = "" if prompt.mask[row, col] else " (a padding position: padding ids are fed to the model too)"
+        raise ValueError(f"input_ids[{row}, {col}] = {int(prompt.ids[row, col])}{where} is not a token id of {vocab}")
+    if config.pad_token_id >= vocab_size:
+        raise ValueError(
+            f"pad_token_id={config.pad_token_id} is not a token id of {vocab}: finished rows are fed it, "
+            "so it must be one"
+        )
+    eos_outside = [e for e in config.eos_token_ids if e >= vocab_size]
+    if eos_outside:
+        raise ValueError(
+            f"eos_token_id {eos_outside[0] if len(eos_outside) == 1 else eos_outside} is not a token id of "
+            f"{vocab}: generation could never stop on it"
+        )
+
+
+def check_against_model(prompt: PromptBatch, config, limits: ModelLimits) -> None:
+    """The checks that need only what the model declares, before any forward."""
+    if limits.vocab_size is not None:
+        check_vocabulary(prompt, config, limits.vocab_size, "vocab_size")
+    if limits.context is not None:
+        longest = int(np.argmax(prompt.lengths))
+        length = int(prompt.lengths[longest])
+        if length >= limits.context:
+            raise ValueError(
+                f"input_ids row {longest} has a prompt of {length} tokens, "
+                f"{'longer than' if length > limits.context else 'as long as'} the model's context of "
+                f"{limits.context} positions (max_position_embeddings), which leaves no room for any of the "
+                f"max_new_tokens={config.max_new_tokens} new tokens: shorten the prompt to under "
+                f"{limits.context} tokens (a row's prompt and generated tokens together fit the context; "
+                "generation stops where it ends)"
+            )

@@ -4,6 +4,15 @@ repetition penalty -> min_new_tokens EOS mask -> user logits processors -> (samp
 temperature -> top-k -> top-p -> min-p -> softmax -> draw. Every op is the one HF uses, in the
 same dtype (float32), so the scores are bit-identical to HF's and ``torch.multinomial`` on them
 consumes the RNG exactly as HF does.
+
+Non-finite scores, one policy on every backend and path: a still-running row whose scores,
+after the processors (repetition penalty, min_new_tokens, logits_processor) and before the
+sampling warpers, contain NaN or +inf, or are all -inf, raises ``ValueError`` naming the step and
+the row(s): no token can be chosen from them (greedy would silently emit the pad id, sampling
+differed between frameworks). The check costs one reduction per step, each row's sum
+(NaN-propagating on every framework, where MindSpore's max ignores NaN), and one (B,) copy to the
+host; only on steps where a running row's sum is not finite (some -inf: min_new_tokens, a masking
+processor) is the row max fetched too.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ class TokenSelector:
         self.config = config
         self.vocab_size = vocab_size
         batch = prompt.batch_size
+        self.batch_size = batch
         eos_in_vocab = [e for e in config.eos_token_ids if e < vocab_size]
         self._eos_mask = None
         if config.min_new_tokens > 0 and eos_in_vocab:
@@ -66,9 +76,65 @@ class TokenSelector:
             scores = ops.where(self._seen, penalized, scores)
         if self._eos_mask is not None and step < cfg.min_new_tokens:
             scores = ops.where(self._eos_mask, NEG_INF, scores)
-        for processor in cfg.logits_processor or ():
-            scores = processor(input_ids_view, scores)
+        for index, processor in enumerate(cfg.logits_processor or ()):
+            scores = self._checked(processor(input_ids_view, scores), index, processor)
         return scores
+
+    def _checked(self, scores, index: int, processor):
+        """A user processor's result: a tensor of this framework, (B, V) like its input."""
+        expected = (self.batch_size, self.vocab_size)
+        if not self.ops.is_tensor(scores):
+            raise TypeError(
+                f"logits_processor[{index}] ({_name(processor)}) must return a {self.ops.name} tensor of shape "
+                f"(B, V) = {expected}, got {type(scores).__name__}"
+            )
+        shape = tuple(int(n) for n in scores.shape)
+        if shape != expected:
+            raise ValueError(
+                f"logits_processor[{index}] ({_name(processor)}) returned scores of shape {shape}, expected (B, V) = "
+                f"{expected}: one score per token of every row"
+            )
+        return scores
+
+    @staticmethod
+    def _row_sums(scores):
+        """(B,) device: each row's sum, NaN when the row holds a NaN. ``Tensor.sum(axis)`` means the same
+        on torch and MindSpore (like the operators the core uses); on MindSpore CPU it costs a third
+        of a ones-vector matmul or of ``max`` (which ignores NaN there)."""
+        return scores.sum(-1)
+
+    def _check_finite(self, scores, sums, step: int, active: Optional[np.ndarray]) -> None:
+        """Raise for the running rows whose scores hold NaN or +inf, or are all -inf.
+
+        A row's sum is finite unless the row holds NaN (sum NaN), +inf (+inf, or NaN beside -inf)
+        or -inf (-inf: some or all of it). Only then is the row max fetched (a second reduction,
+        on those steps alone) to tell all -inf from some -inf and +inf from a finite overflow."""
+        row_sum = self.ops.to_numpy(sums).reshape(-1).astype(np.float64)
+        suspect = ~np.isfinite(row_sum)
+        if active is not None:
+            suspect &= active
+        if not suspect.any():
+            return
+        row_max = self.ops.to_numpy(self.ops.max(scores, axis=-1)).reshape(-1).astype(np.float64)
+        bad = suspect & (np.isnan(row_sum) | (row_sum == row_max))  # NaN; +inf with a +inf; all -inf
+        if not bad.any():
+            return
+        kinds = []
+        for row in np.flatnonzero(bad):
+            kind = (
+                "hold +inf"
+                if row_max[row] == np.inf
+                else "are all -inf"
+                if row_max[row] == -np.inf and not np.isnan(row_sum[row])
+                else "hold NaN"
+            )
+            kinds.append(f"row {int(row)}'s scores {kind}")
+        raise ValueError(
+            f"generate() step {step}: {', '.join(kinds)} after the logits processors, so no token can be chosen "
+            "(a running row whose scores contain NaN or +inf, or are all -inf, is an error on every backend); "
+            "check the model's logits (overflow in a low-precision dtype?) and logits_processor / "
+            "repetition_penalty / min_new_tokens"
+        )
 
     def warp(self, scores):
         """HF's sampling warpers on the device: temperature -> top-k -> top-p -> min-p."""
@@ -102,8 +168,23 @@ class TokenSelector:
         host = ops.to_numpy(scores)
         return sample_candidates(host, np.broadcast_to(np.arange(host.shape[1]), host.shape), cfg, step)
 
-    def select(self, scores, step: int, input_ids_view=None) -> np.ndarray:
-        return self.draw(self.process(scores, step, input_ids_view), step).astype(np.int64).reshape(-1)
+    def select(self, scores, step: int, input_ids_view=None, active: Optional[np.ndarray] = None) -> np.ndarray:
+        """(B,) host int64 tokens; ``active`` (B,) bool: the rows still running (the only ones whose
+        non-finite scores raise; None = all)."""
+        scores = self.process(scores, step, input_ids_view)
+        sums = self._row_sums(scores)
+        if self.config.do_sample:
+            # before the draw: the framework's multinomial raises (torch) or picks silently (MindSpore) on
+            # NaN, and the host sampler would warn
+            self._check_finite(scores, sums, step, active)
+            return self.draw(scores, step).astype(np.int64).reshape(-1)
+        tokens = self.draw(scores, step)  # argmax cannot fail: its sync first, then the check's small copy
+        self._check_finite(scores, sums, step, active)
+        return tokens.astype(np.int64).reshape(-1)
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def apply_stopping_criteria(criteria, input_ids_view, scores, batch: int) -> Optional[np.ndarray]:
@@ -113,9 +194,15 @@ def apply_stopping_criteria(criteria, input_ids_view, scores, batch: int) -> Opt
     from .registry import to_host
 
     stop = np.zeros(batch, dtype=bool)
-    for criterion in criteria:
+    for index, criterion in enumerate(criteria):
         result = np.asarray(to_host(criterion(input_ids_view, scores)))
         if result.dtype != bool and not np.issubdtype(result.dtype, np.integer):
             raise TypeError(f"stopping criterion {criterion!r} must return a bool or (B,) bools, got {result.dtype}")
-        stop |= np.broadcast_to(result.astype(bool).reshape(-1) if result.ndim else result.astype(bool), (batch,))
+        if result.size not in (1, batch):
+            raise ValueError(
+                f"stopping_criteria[{index}] ({_name(criterion)}) returned shape {result.shape}, expected a bool "
+                f"or (B,) = ({batch},) bools, one per row (input_ids {tuple(input_ids_view.shape)}, scores "
+                f"{tuple(scores.shape)})"
+            )
+        stop |= np.broadcast_to(result.astype(bool).reshape(-1), (batch,))
     return stop
