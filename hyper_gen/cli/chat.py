@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 from hyper_gen.generation import generate
+from hyper_gen.inputs import ModelLimits
 from hyper_gen.parallel.launcher import broadcast_ints, broadcast_text, host_ops
 from hyper_gen.streaming import TextStreamer
 
@@ -39,6 +40,20 @@ def _read_user_line():
             return None if line.strip().lower() in EXIT_WORDS else line
 
 
+def fit_context(tokenizer, messages, context, max_new_tokens):
+    """(messages, prompt ids) with the oldest turns dropped until the prompt and ``max_new_tokens``
+    fit the model's ``context`` (None: no limit); ids None when even the last message does not fit."""
+    while True:
+        ids = tokenizer(format_conversation(tokenizer, messages), return_tensors="np", add_special_tokens=False)[
+            "input_ids"
+        ]
+        if context is None or ids.shape[1] + max_new_tokens <= context:
+            return messages, ids
+        if len(messages) <= 1:
+            return [], None
+        messages = messages[2:] if len(messages) > 2 else messages[-1:]  # drop the oldest user/assistant pair
+
+
 def run_chat(args) -> int:
     model, tokenizer, defaults = load_everything(args)
     config = generation_config(args, defaults)
@@ -47,6 +62,7 @@ def run_chat(args) -> int:
     out = sys.stdout if rank == 0 else open(os.devnull, "w")
     print(f"Entering chat ({args.backend}, {world} rank{'s' if world > 1 else ''}). Type 'exit' to quit.", file=out)
     messages, turn = [], 0
+    context = ModelLimits.of(model).context
     rng = np.random.default_rng()
     while True:
         text = _read_user_line() if rank == 0 else None
@@ -56,10 +72,13 @@ def run_chat(args) -> int:
         seed = args.seed + turn if args.seed is not None else int(rng.integers(0, 2**31 - 1))
         if world > 1:
             seed = int(broadcast_ints(ops, [seed])[0])
-        messages.append({"role": "user", "content": text})
-        ids = tokenizer(format_conversation(tokenizer, messages), return_tensors="np", add_special_tokens=False)[
-            "input_ids"
-        ]
+        fitted, ids = fit_context(
+            tokenizer, messages + [{"role": "user", "content": text}], context, config.max_new_tokens
+        )
+        if ids is None:  # the conversation so far is kept
+            print(f"(message too long: the model's context is {context} tokens; try a shorter one)", file=out)
+            continue
+        messages = fitted
         print("Assistant:", end=" ", file=out, flush=True)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True, file=out)
         result = np.asarray(

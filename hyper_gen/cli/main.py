@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         print(f"hyper-gen: error: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Interrupted) as exc:
-        print(f"hyper-gen: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"hyper-gen: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130
     finally:
         if launched_multi_rank() and args.backend in registry.names():

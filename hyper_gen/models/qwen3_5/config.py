@@ -50,6 +50,9 @@ class Qwen3_5Config:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # positions the model was trained for (HF's default when the config omits it): generate()
+    # refuses longer prompts and stops rows there
+    max_position_embeddings: int = 32768
 
     @property
     def is_moe(self) -> bool:
@@ -163,6 +166,7 @@ class Qwen3_5Config:
             num_experts_per_tok=field("num_experts_per_tok") if moe else 0,
             moe_intermediate_size=field("moe_intermediate_size") if moe else 0,
             shared_expert_intermediate_size=field("shared_expert_intermediate_size") if moe else 0,
+            max_position_embeddings=field("max_position_embeddings", default=32768),
         )
 
     @classmethod
