@@ -15,7 +15,7 @@ import numpy as np
 from .config import GenerationConfig, resolve_config
 from .drivers import make_driver
 from .inputs import ModelLimits, check_against_model, check_vocabulary, prepare_prompts
-from .parallel.model_group import check_consistent_inputs, gather_vocab_logits
+from .parallel.model_group import agree_on_tokens, check_consistent_inputs, exclusive, gather_vocab_logits
 from .registry import backend_for
 from .sampling import TokenSelector, apply_stopping_criteria
 
@@ -59,7 +59,7 @@ def generate(
     limits = ModelLimits.of(model)  # vocab_size / max_position_embeddings, where the model declares them
     check_against_model(prompt, config, limits)  # before any forward
     dtype = ops.param_dtype(model)
-    with ops.no_grad():
+    with exclusive(ops, model), ops.no_grad():  # one thread at a time where the framework needs it
         return _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens, limits)
 
 
@@ -89,6 +89,7 @@ def _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens, limits)
                 check_vocabulary(prompt, config, int(scores.shape[-1]), "the width of its logits")
             selector = TokenSelector(ops, config, prompt, int(scores.shape[-1]))
         tokens = selector.select(scores, step, ids_view, unfinished)
+        tokens = agree_on_tokens(ops, model, config, tokens)  # framework-RNG draws: rank 0's, on every rank
         tokens = np.where(unfinished, tokens, pad)
         if step == generated.shape[1]:
             generated = _widen(generated, steps)

@@ -23,6 +23,9 @@ class Ops(Protocol):
     """Per-framework operations; one instance is bound to a device."""
 
     name: str
+    # False where concurrent calls into the framework crash (MindSpore's PyNative runtime):
+    # generate() then runs one call at a time per framework (parallel.model_group.exclusive)
+    thread_safe: bool
 
     # host <-> device
     def is_tensor(self, x: Any) -> bool: ...

@@ -6,7 +6,8 @@ loader to build a native model, the CLI and the launchers to join a job). An ada
 
 - ``ops_for(obj) -> Ops | None``: ops bound to the device of a model or tensor it recognises;
 - ``host_ops() -> Ops``: ops on the default device, for moving host values between ranks;
-- ``init_distributed() -> bool`` / ``shutdown_distributed()``: join / leave the launcher's job;
+- ``init_distributed(timeout_s=None) -> bool`` / ``shutdown_distributed()``: join / leave the
+  launcher's job (``timeout_s``: how long a collective may wait, see ``parallel.launcher``);
 - ``launcher(n) -> str``: the command that starts n ranks (for error messages);
 - ``limit_threads(n) -> str``: cap intra-op threads where the framework allows (benchmarks of
   ranks sharing a host), returning what it did;

@@ -3,6 +3,8 @@
 Under torchrun / msrun only rank 0 reads stdin; the text is broadcast so every rank runs the
 same generate() (collectives inside a parallel model stay in step), only rank 0 prints, sampling
 uses a seed shared by all ranks, and every rank leaves the loop together when rank 0 quits.
+While rank 0 waits for the user it tells the other ranks so about every second, so a pause of
+any length never trips the collective timeout (``--timeout``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import numpy as np
 
 from hyper_gen.generation import generate
 from hyper_gen.inputs import ModelLimits
-from hyper_gen.parallel.launcher import broadcast_ints, broadcast_text, host_ops
+from hyper_gen.parallel.launcher import (
+    broadcast_ints,
+    broadcast_text_patiently,
+    collective_timeout_s,
+    heartbeat_s,
+    host_ops,
+)
 from hyper_gen.streaming import TextStreamer
 
 from .common import generation_config, host, load_everything
@@ -58,6 +66,7 @@ def run_chat(args) -> int:
     model, tokenizer, defaults = load_everything(args)
     config = generation_config(args, defaults)
     ops = host_ops(args.backend)
+    tick = heartbeat_s(collective_timeout_s(getattr(args, "timeout", None)))
     rank, world = ops.rank(), ops.world_size()
     out = sys.stdout if rank == 0 else open(os.devnull, "w")
     print(f"Entering chat ({args.backend}, {world} rank{'s' if world > 1 else ''}). Type 'exit' to quit.", file=out)
@@ -65,8 +74,8 @@ def run_chat(args) -> int:
     context = ModelLimits.of(model).context
     rng = np.random.default_rng()
     while True:
-        text = _read_user_line() if rank == 0 else None
-        text = broadcast_text(ops, text) if world > 1 else text
+        # the other ranks hear from rank 0 every heartbeat while a person thinks: never a timeout
+        text = broadcast_text_patiently(ops, _read_user_line, tick_s=tick) if world > 1 else _read_user_line()
         if text is None:
             break
         seed = args.seed + turn if args.seed is not None else int(rng.integers(0, 2**31 - 1))

@@ -11,7 +11,13 @@ from hyper_gen import registry
 from hyper_gen.config import GenerationConfig
 from hyper_gen.demo import demo_model_path
 from hyper_gen.generation import generate
-from hyper_gen.parallel.launcher import host_ops, init_distributed, launched_multi_rank
+from hyper_gen.parallel.launcher import (
+    TIMEOUT_ENV,
+    collective_timeout_s,
+    host_ops,
+    init_distributed,
+    launched_multi_rank,
+)
 from hyper_gen.registry import to_host
 
 
@@ -31,6 +37,14 @@ def add_model_flags(parser):
     )
     parser.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun / msrun (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"under torchrun / msrun: how long a rank waits for a stalled or dead peer before the job fails "
+        f"(default: ${TIMEOUT_ENV}, else 600 s on torch, 30 s on MindSpore's CPU collectives)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the frameworks' own log messages")
 
@@ -130,12 +144,16 @@ def load_everything(args):
         raise UsageError(f"unknown backend {args.backend!r}; choose one of {', '.join(registry.names())}")
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    try:
+        timeout_s = collective_timeout_s(getattr(args, "timeout", None))
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("timeout_s", "--timeout", 1)) from None
     path = model_path(args)
     check_tokenizer_files(path)
     from hyper_gen.models.loading import load_model
 
     if args.tp > 1 or launched_multi_rank():
-        init_distributed(args.backend)
+        init_distributed(args.backend, timeout_s=timeout_s)
     try:
         model = load_model(path, backend=args.backend, dtype=args.dtype, tp=args.tp)
     except (TypeError, ValueError) as exc:

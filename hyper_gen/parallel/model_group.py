@@ -1,4 +1,4 @@
-"""What generate() needs to know about a model split across ranks.
+"""What generate() needs to know about a model split across ranks, or shared by threads.
 
 A model declares it with two attributes (the native Qwen3.5 ports set them under ``tp > 1``;
 a user's own tensor-parallel model sets them the same way):
@@ -7,15 +7,27 @@ a user's own tensor-parallel model sets them the same way):
 - ``vocab_parallel``: True when each rank's logits hold only its slice of the vocabulary (equal
   blocks in rank order; ``vocab_size``, if set, trims the padding of the last block).
 
-Before the first step every rank's inputs and config are compared with one small all-gather, so
-a rank handed different prompts raises the same ``ValueError`` everywhere instead of hanging or
-silently diverging.
+Before the first step every rank's inputs and config are compared with one small all-gather (a
+32-bit digest per field), so a rank handed different prompts, settings, logits processors or
+stopping criteria raises the same ``ValueError`` naming the fields everywhere, instead of hanging
+or silently diverging. A streamer or ``on_tokens`` callback may be given on some ranks only (the
+usual "rank 0 prints"): they run no collective, so they are not compared.
+
+Every rank ends each step with the same tokens: greedy and ``seed=<int>`` draws are functions of
+the gathered logits, the same on every rank; a ``seed=None`` draw uses each rank's own framework
+RNG, whose states need not agree, so rank 0 of the group decides (:func:`agree_on_tokens`).
+
+Threads: a backend whose framework cannot run two forwards at once (its ops say
+``thread_safe = False``: MindSpore's PyNative runtime segfaults inside the kernels, on one model or
+two) gets its ``generate`` calls serialised by :func:`exclusive`; torch runs them side by side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import threading
 
 import numpy as np
 
@@ -29,31 +41,49 @@ def parallel_group(ops, model):
     return (group, size) if size > 1 else (None, 1)
 
 
-def _fingerprint(prompt, config) -> np.ndarray:
-    digest = hashlib.sha256()
-    digest.update(prompt.ids.tobytes())
-    digest.update(prompt.mask.tobytes())
-    digest.update(repr(prompt.ids.shape).encode())
+def _callables(value):
+    """A list of processors / criteria as what every rank can compare: how many, and what they are."""
+    if value is None:
+        return None
+    return [getattr(f, "__qualname__", None) or type(f).__qualname__ for f in value]
+
+
+def _fields(prompt, config):
+    """(name, bytes) of everything every rank must agree on before the first step."""
+    yield "input_ids", repr(prompt.ids.shape).encode() + prompt.ids.tobytes()
+    yield "attention_mask", repr(prompt.mask.shape).encode() + prompt.mask.tobytes()
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if field.name in ("logits_processor", "stopping_criteria"):
-            value = None if value is None else len(value)
-        digest.update(f"{field.name}={value!r};".encode())
-    words = np.frombuffer(digest.digest()[:16], dtype=np.uint16)
-    return words.astype(np.float32)[None, :]  # 16-bit words: exact in float32, which every collective carries
+            value = _callables(value)
+        yield field.name, repr(value).encode()
+
+
+def _fingerprint(prompt, config):
+    """(field names, (1, 2 * fields) float32): each field's 32-bit digest as two 16-bit words (exact
+    in float32, which every collective carries)."""
+    names, words = [], []
+    for name, data in _fields(prompt, config):
+        names.append(name)
+        words.append(np.frombuffer(hashlib.sha256(data).digest()[:4], dtype=np.uint16))
+    return names, np.concatenate(words).astype(np.float32)[None, :]
 
 
 def check_consistent_inputs(ops, model, prompt, config) -> None:
     group, size = parallel_group(ops, model)
     if size == 1:
         return
-    mine = _fingerprint(prompt, config)
+    names, mine = _fingerprint(prompt, config)
     everyone = ops.to_numpy(ops.all_gather(ops.asarray(mine, "float32"), axis=0, group=group))
-    differing = [r for r in range(everyone.shape[0]) if not np.array_equal(everyone[r], everyone[0])]
-    if differing:
+    per_field = everyone.reshape(everyone.shape[0], len(names), 2)
+    differs = (per_field != per_field[:1]).any(axis=2)  # (ranks, fields) against rank 0
+    if differs.any():
+        fields = [name for i, name in enumerate(names) if differs[:, i].any()]
+        ranks = [r for r in range(differs.shape[0]) if differs[r].any()]
         raise ValueError(
-            f"generate() was called with different input_ids/attention_mask/config on rank(s) {differing} "
-            f"than on rank 0 of the {size}-rank model group; every rank must get the same inputs"
+            f"generate() was called with different {', '.join(fields)} on rank(s) {ranks} than on rank 0 of the "
+            f"{size}-rank model group; every rank must get the same inputs and config (logits_processor and "
+            "stopping_criteria: the same number of the same callables)"
         )
 
 
@@ -67,3 +97,41 @@ def gather_vocab_logits(ops, model, logits):
     gathered = ops.all_gather(logits, axis=-1, group=group)
     vocab_size = getattr(model, "vocab_size", None)  # the shards may be padded to a multiple of tp
     return gathered[..., :vocab_size] if vocab_size and gathered.shape[-1] > vocab_size else gathered
+
+
+def agree_on_tokens(ops, model, config, tokens: np.ndarray) -> np.ndarray:
+    """Rank 0's (B,) tokens on every rank of a multi-rank model whose draw used the framework RNG.
+
+    A ``seed=None`` sample draws with each rank's own RNG (``torch.manual_seed(1234 + rank)`` is a
+    legitimate setup), so the ranks would feed different tokens to their next forward. Rank 0 of
+    the group decides, with one small all-reduce per step, the others adding zeros: an all-reduce
+    names no source rank, so it is right for any group (a broadcast's ``src`` is a global rank in
+    torch). The ids travel as two 16-bit words each in float32 (exact; MindSpore's CPU AllReduce
+    carries only floats). Greedy and seeded draws are deterministic in the gathered logits: no traffic.
+    """
+    if not config.do_sample or config.seed is not None:
+        return tokens
+    group, size = parallel_group(ops, model)
+    if size == 1:
+        return tokens
+    ids = tokens.astype(np.int64).reshape(-1)
+    words = np.stack([ids >> 16, ids & 0xFFFF]).astype(np.float32)  # (2, B), each word < 2**16: exact
+    if ops.rank(group) != 0:
+        words = np.zeros_like(words)
+    summed = ops.to_numpy(ops.all_reduce(ops.asarray(words, "float32"), "sum", group=group)).astype(np.int64)
+    return (summed[0] * 65536 + summed[1]).reshape(tokens.shape)
+
+
+_LOCKS: dict = {}  # ops class -> the lock its generate() calls take
+_LOCKS_GUARD = threading.Lock()
+
+
+def exclusive(ops, model):
+    """A context in which this thread alone runs generate() on the backend of ``ops``, when its ops
+    declare ``thread_safe = False``; a no-op elsewhere. The lock is per framework, not per model:
+    MindSpore's PyNative executor is process-wide, and two threads on two different models crash
+    it as surely as on one. Re-entrant (a callback may call generate again on the same thread)."""
+    if getattr(ops, "thread_safe", True):
+        return contextlib.nullcontext()
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(type(ops), threading.RLock())

@@ -8,6 +8,8 @@ int32 indices, cast here to int64 as torch returns.
 
 from __future__ import annotations
 
+import contextlib
+
 import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
@@ -49,6 +51,9 @@ class MindSporeOps:
     """MindSpore ops (PyNative)."""
 
     name = "mindspore"
+    # PyNative is one process-wide executor (its grad switch, op queue, kernel caches): two threads
+    # running forwards at once segfault inside the kernels, so generate() serialises them
+    thread_safe = False
 
     def is_tensor(self, x):
         return isinstance(x, ms.Tensor)
@@ -147,10 +152,11 @@ class MindSporeOps:
         return GlobalComm.WORLD_COMM_GROUP if group is None else group
 
     def all_gather(self, x, axis=0, group=None):
-        if x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
-            gathered = ops.AllGather(group=self._group(group))(x.view(ms.int32)).view(x.dtype)
-        else:
-            gathered = ops.AllGather(group=self._group(group))(x)  # stacks along axis 0
+        with _naming_timeouts("AllGather", self):
+            if x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
+                gathered = ops.AllGather(group=self._group(group))(x.view(ms.int32)).view(x.dtype)
+            else:
+                gathered = ops.AllGather(group=self._group(group))(x)  # stacks along axis 0
         if axis % x.ndim == 0:
             return gathered
         parts = ops.split(gathered, x.shape[0], axis=0)
@@ -158,9 +164,30 @@ class MindSporeOps:
 
     def all_reduce(self, x, op="sum", group=None):
         reduce = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}[op]
-        return ops.AllReduce(reduce, group=self._group(group))(x)
+        with _naming_timeouts("AllReduce", self):
+            return ops.AllReduce(reduce, group=self._group(group))(x)
 
     def broadcast(self, x, src=0, group=None):
-        if x.dtype in _WIDE:  # CPU Broadcast narrows float64/int64: move the raw bits instead
-            return ops.Broadcast(src, group=self._group(group))((x.view(ms.int32),))[0].view(x.dtype)
-        return ops.Broadcast(src, group=self._group(group))((x,))[0]
+        with _naming_timeouts("Broadcast", self):
+            if x.dtype in _WIDE:  # CPU Broadcast narrows float64/int64: move the raw bits instead
+                return ops.Broadcast(src, group=self._group(group))((x.view(ms.int32),))[0].view(x.dtype)
+            return ops.Broadcast(src, group=self._group(group))((x,))[0]
+
+
+@contextlib.contextmanager
+def _naming_timeouts(collective: str, ops_):
+    """A CPU collective whose wait for its peers failed ("Launch kernel failed, name:...AllGather")
+    as a TimeoutError naming the wait, instead of MindSpore's kernel-launch message alone."""
+    try:
+        yield
+    except RuntimeError as error:
+        message = str(error)
+        if "Launch kernel failed" not in message or collective not in message:
+            raise
+        from .launch import timeout_description  # not at the top: launch imports this package's configure
+
+        raise TimeoutError(
+            f"MindSpore {collective} on rank {ops_.rank()} failed waiting for its peers, after at most "
+            f"{timeout_description()}: another rank of the group stalled, died or is running something "
+            f"else ({message.strip().splitlines()[0]})"
+        ) from error

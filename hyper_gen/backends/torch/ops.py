@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from . import launch
 
 _DTYPES = {
     "float16": torch.float16,
@@ -29,6 +33,7 @@ class TorchOps:
     """Torch ops bound to one device."""
 
     name = "torch"
+    thread_safe = True  # concurrent generate() calls on one model run side by side
 
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
@@ -113,15 +118,35 @@ class TorchOps:
     def all_gather(self, x, axis=0, group=None):
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size(group))]
-        dist.all_gather(parts, x, group=group)
+        with _naming_timeouts("all_gather"):
+            dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=axis)
 
     def all_reduce(self, x, op="sum", group=None):
         x = x.clone()
-        dist.all_reduce(x, op=_REDUCE[op], group=group)
+        with _naming_timeouts("all_reduce"):
+            dist.all_reduce(x, op=_REDUCE[op], group=group)
         return x
 
     def broadcast(self, x, src=0, group=None):
         x = x.contiguous().clone()
-        dist.broadcast(x, src=src, group=group)
+        with _naming_timeouts("broadcast"):
+            dist.broadcast(x, src=src, group=group)
         return x
+
+
+@contextlib.contextmanager
+def _naming_timeouts(collective: str):
+    """A collective that timed out (gloo: "Timed out waiting ...") as a TimeoutError naming the
+    timeout and what it means, instead of the transport's message alone."""
+    try:
+        yield
+    except RuntimeError as error:  # torch.distributed.DistBackendError is one
+        if "timed out" not in str(error).lower():
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise TimeoutError(
+            f"torch.distributed {collective} on rank {rank} waited longer than the collective timeout, "
+            f"{launch.timeout_description()}: another rank of the group stalled, died or is running "
+            f"something else ({str(error).splitlines()[0]})"
+        ) from error

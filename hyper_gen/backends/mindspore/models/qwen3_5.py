@@ -23,7 +23,9 @@ instead of Tensor operators (a primitive call costs less than an operator); ``Mu
 elementwise kernel, even for a few elements and most of all when it broadcasts a per-head scalar
 over the (H, Dk, Dv) delta-rule state, while ``MulNoNan`` is cheaper and ``RealDiv`` broadcasts
 over the state quickly, so products are ``MulNoNan`` (identical but for ``inf * 0``) and the state
-decays as ``S / exp(-g)``; ``BatchMatMul`` with transpose flags instead of transposed copies;
+decays as ``S / exp(-g)``; matrix products through ``mint.bmm``, which takes no scalar argument
+(MindSpore 2.10's CPU kernels never free a scalar argument's memory: ``MatMul`` leaked ~1.4 KB a
+call), and ``BatchMatMul(transpose_b)`` only for q @ K^T, instead of a transposed copy of K;
 rotary as one matmul with a +-1 rotation matrix; ``mint.nn.functional.softplus`` (exact in
 float64, unlike ``ops.softplus``); sub-cells are called through ``construct`` (``Cell.__call__``
 adds a per-call overhead).
@@ -173,10 +175,30 @@ def _cast(x: Tensor, dtype) -> Tensor:
 # Primitive instances made once: on CPU a call costs less than a Tensor operator, and MulNoNan /
 # RealDiv are cheaper kernels than Mul / Div (module docstring). Measured against the functional
 # ops.add / ops.mul / ops.div in the whole decode step: no faster.
-_matmul = ops.MatMul()
-_bmm = ops.BatchMatMul()
-_bmm_ta = ops.BatchMatMul(transpose_a=True)
-_bmm_tb = ops.BatchMatMul(transpose_b=True)
+# Products go through mint.bmm (BatchMatMulExt): MindSpore 2.10's CPU PyBoost kernels never free
+# the pool memory of a scalar argument (MatMul's / BatchMatMul's transpose flags: ~1.4 KB a call),
+# and bmm takes none; its values are bitwise MatMul's. With the reductions below, the demo model's
+# RSS grows 9 KB a decode step instead of 70 (tests/test_ranks_threads_memory.py).
+_bmm_tb = ops.BatchMatMul(transpose_b=True)  # q @ K^T: a transposed copy of K costs more than it leaks
+
+
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` over the last two axes, the leading axes equal (no broadcasting)."""
+    out = mint.bmm(a.reshape((-1,) + a.shape[-2:]), b.reshape((-1,) + b.shape[-2:]))
+    return out.reshape(a.shape[:-2] + out.shape[-2:])
+
+
+def _matmul(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w`` of 2-D (tokens, in) by (in, out)."""
+    return mint.bmm(x.reshape((1,) + x.shape), w.reshape((1,) + w.shape)).reshape(x.shape[0], w.shape[1])
+
+
+def _bmm_ta(a: Tensor, b: Tensor) -> Tensor:
+    """``a^T @ b`` over the last two axes; a row's transpose is a reshape (no transpose kernel)."""
+    a_t = a.reshape(a.shape[:-2] + (a.shape[-1], 1)) if a.shape[-2] == 1 else a.swapaxes(-1, -2)
+    return _bmm(a_t, b)
+
+
 _add = ops.Add()
 _sub = ops.Sub()
 _mul = ops.MulNoNan()  # x * y, except that inf/nan * 0 gives 0
@@ -185,6 +207,9 @@ _square = ops.Square()
 _sqrt = ops.Sqrt()
 _sigmoid = ops.Sigmoid()
 _exp = ops.Exp()
+# the reductions' primitives leak one scalar a call where mint.mean / mint.sum leak two or three
+_mean_last = ops.ReduceMean(keep_dims=True)  # (x, axis): bitwise mint.mean(x, axis, True)
+_sum_last = ops.ReduceSum(keep_dims=True)
 _softplus = mint.nn.functional.softplus  # torch's (threshold 20); ops.softplus is less exact
 _softmax = mint.nn.functional.softmax
 _glu = mint.nn.functional.glu
@@ -196,7 +221,7 @@ def _silu(x: Tensor) -> Tensor:
 
 def _normalize(x: Tensor, eps: Tensor) -> Tensor:
     """``x / sqrt(mean(x^2) + eps)`` over the last axis: RMSNorm without its weight."""
-    return _div(x, _sqrt(_add(mint.mean(_square(x), -1, True), eps)))
+    return _div(x, _sqrt(_add(_mean_last(_square(x), -1), eps)))
 
 
 def _rms_norm(x: Tensor, eps: Tensor) -> Tensor:
@@ -287,11 +312,11 @@ def _chunked_delta_rule(q, k, v, g, beta, state):
     decay = ops.exp(cum[..., :, None] - cum[..., None, :] + upper)  # (.., i, j): decay j -> i, 0 for j > i
     k_t = k.swapaxes(-1, -2)
     k_beta = k * beta
-    system = eye + ops.matmul(k_beta, k_t) * decay * strict_lower
+    system = eye + _bmm(k_beta, k_t) * decay * strict_lower
     exp_cum = ops.exp(cum)[..., None]
     solved = _solve_lower(system, ops.concat([v * beta, k_beta * exp_cum], -1))
     values, k_cumdecay = solved[..., :dv], solved[..., dv:]
-    intra = ops.matmul(q, k_t) * decay
+    intra = _bmm(q, k_t) * decay
     q = q * exp_cum
     k_t = (k * ops.exp(cum[..., -1:] - cum)[..., None]).swapaxes(-1, -2)
     chunk_decay = ops.exp(cum[..., -1])[..., None, None]
@@ -299,9 +324,9 @@ def _chunked_delta_rule(q, k, v, g, beta, state):
         state = ops.zeros((b, h, dk, dv), cum.dtype)
     outputs = []
     for i in range(n):
-        v_new = values[:, :, i] - ops.matmul(k_cumdecay[:, :, i], state)
-        outputs.append(ops.matmul(q[:, :, i], state) + ops.matmul(intra[:, :, i], v_new))
-        state = state * chunk_decay[:, :, i] + ops.matmul(k_t[:, :, i], v_new)
+        v_new = values[:, :, i] - _bmm(k_cumdecay[:, :, i], state)
+        outputs.append(_bmm(q[:, :, i], state) + _bmm(intra[:, :, i], v_new))
+        state = state * chunk_decay[:, :, i] + _bmm(k_t[:, :, i], v_new)
     out = outputs[0] if n == 1 else ops.concat(outputs, 2)
     return (out[:, :, :s] if pad else out), state
 
@@ -491,7 +516,7 @@ class GatedDeltaNet(nn.Cell):
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         qk, v = mint.split(_cast(mixed, acc), (2 * self.key_dim, self.value_dim), -1)
         qk = qk.reshape(n, 2 * nk, dk)
-        qk = _div(qk, _sqrt(_add(mint.sum(_square(qk), -1, True), self.l2_eps)))  # l2 norm
+        qk = _div(qk, _sqrt(_add(_sum_last(_square(qk), -1), self.l2_eps)))  # l2 norm
         q, k = mint.split(qk, (nk, nk), 1)
         if nk != nv:  # value head j reads key head j // (nv / nk)
             q, k = (ops.broadcast_to(t.reshape(n, nk, 1, dk), (n, nk, nv // nk, dk)) for t in (q, k))
