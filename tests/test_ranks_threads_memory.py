@@ -319,10 +319,10 @@ print(f"growth_kb_per_step={(rss_kb() - before) / (steps * calls):.2f}", flush=T
 
 # KB of RSS a MindSpore decode step of the demo model may add after warm-up. It was ~70 (MatMul /
 # BatchMatMul transpose flags and mint.mean / mint.sum arguments: MindSpore 2.10's CPU kernels
-# never free a scalar argument's pool memory); with mint.bmm and the reduction primitives ~9
-# remain, from the axis arguments of ReduceMean, GLU, Softmax, Concat that no scalar-free kernel
-# replaces with the same rounding.
-MAX_GROWTH_KB_PER_STEP = 25
+# never free a scalar argument's pool memory). Batched products through mint.bmm and the
+# reduction primitives leave ~37: the 2-D projections stay MatMul (mint.bmm is several times
+# slower there), plus the axis arguments of ReduceMean, GLU, Softmax, Concat.
+MAX_GROWTH_KB_PER_STEP = 45
 
 
 def test_mindspore_decode_memory_is_bounded():

@@ -23,9 +23,7 @@ instead of Tensor operators (a primitive call costs less than an operator); ``Mu
 elementwise kernel, even for a few elements and most of all when it broadcasts a per-head scalar
 over the (H, Dk, Dv) delta-rule state, while ``MulNoNan`` is cheaper and ``RealDiv`` broadcasts
 over the state quickly, so products are ``MulNoNan`` (identical but for ``inf * 0``) and the state
-decays as ``S / exp(-g)``; matrix products through ``mint.bmm``, which takes no scalar argument
-(MindSpore 2.10's CPU kernels never free a scalar argument's memory: ``MatMul`` leaked ~1.4 KB a
-call), and ``BatchMatMul(transpose_b)`` only for q @ K^T, instead of a transposed copy of K;
+decays as ``S / exp(-g)``; ``BatchMatMul`` with transpose flags instead of transposed copies;
 rotary as one matmul with a +-1 rotation matrix; ``mint.nn.functional.softplus`` (exact in
 float64, unlike ``ops.softplus``); sub-cells are called through ``construct`` (``Cell.__call__``
 adds a per-call overhead).
@@ -175,22 +173,19 @@ def _cast(x: Tensor, dtype) -> Tensor:
 # Primitive instances made once: on CPU a call costs less than a Tensor operator, and MulNoNan /
 # RealDiv are cheaper kernels than Mul / Div (module docstring). Measured against the functional
 # ops.add / ops.mul / ops.div in the whole decode step: no faster.
-# Products go through mint.bmm (BatchMatMulExt): MindSpore 2.10's CPU PyBoost kernels never free
-# the pool memory of a scalar argument (MatMul's / BatchMatMul's transpose flags: ~1.4 KB a call),
-# and bmm takes none; its values are bitwise MatMul's. With the reductions below, the demo model's
-# RSS grows 9 KB a decode step instead of 70 (tests/test_ranks_threads_memory.py).
-_bmm_tb = ops.BatchMatMul(transpose_b=True)  # q @ K^T: a transposed copy of K costs more than it leaks
+# MindSpore 2.10's CPU kernels never free the memory of a scalar argument (a transpose flag, an
+# axis): ~1.3 KB a MatMul call. mint.bmm takes none but is several times slower for the 2-D
+# products of a decode step (docs/performance.md), so the products stay MatMul / BatchMatMul and
+# the leak is cut where it is free to: the reductions below.
+_matmul = ops.MatMul()
+_bmm_tb = ops.BatchMatMul(transpose_b=True)
 
 
 def _bmm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` over the last two axes, the leading axes equal (no broadcasting)."""
+    """``a @ b`` over the last two axes, the leading axes equal: mint.bmm, which takes no scalar
+    argument (so leaks nothing) and is as fast as BatchMatMul for these small batched products."""
     out = mint.bmm(a.reshape((-1,) + a.shape[-2:]), b.reshape((-1,) + b.shape[-2:]))
     return out.reshape(a.shape[:-2] + out.shape[-2:])
-
-
-def _matmul(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w`` of 2-D (tokens, in) by (in, out)."""
-    return mint.bmm(x.reshape((1,) + x.shape), w.reshape((1,) + w.shape)).reshape(x.shape[0], w.shape[1])
 
 
 def _bmm_ta(a: Tensor, b: Tensor) -> Tensor:
@@ -312,11 +307,11 @@ def _chunked_delta_rule(q, k, v, g, beta, state):
     decay = ops.exp(cum[..., :, None] - cum[..., None, :] + upper)  # (.., i, j): decay j -> i, 0 for j > i
     k_t = k.swapaxes(-1, -2)
     k_beta = k * beta
-    system = eye + _bmm(k_beta, k_t) * decay * strict_lower
+    system = eye + ops.matmul(k_beta, k_t) * decay * strict_lower
     exp_cum = ops.exp(cum)[..., None]
     solved = _solve_lower(system, ops.concat([v * beta, k_beta * exp_cum], -1))
     values, k_cumdecay = solved[..., :dv], solved[..., dv:]
-    intra = _bmm(q, k_t) * decay
+    intra = ops.matmul(q, k_t) * decay
     q = q * exp_cum
     k_t = (k * ops.exp(cum[..., -1:] - cum)[..., None]).swapaxes(-1, -2)
     chunk_decay = ops.exp(cum[..., -1])[..., None, None]
@@ -324,9 +319,9 @@ def _chunked_delta_rule(q, k, v, g, beta, state):
         state = ops.zeros((b, h, dk, dv), cum.dtype)
     outputs = []
     for i in range(n):
-        v_new = values[:, :, i] - _bmm(k_cumdecay[:, :, i], state)
-        outputs.append(_bmm(q[:, :, i], state) + _bmm(intra[:, :, i], v_new))
-        state = state * chunk_decay[:, :, i] + _bmm(k_t[:, :, i], v_new)
+        v_new = values[:, :, i] - ops.matmul(k_cumdecay[:, :, i], state)
+        outputs.append(ops.matmul(q[:, :, i], state) + ops.matmul(intra[:, :, i], v_new))
+        state = state * chunk_decay[:, :, i] + ops.matmul(k_t[:, :, i], v_new)
     out = outputs[0] if n == 1 else ops.concat(outputs, 2)
     return (out[:, :, :s] if pad else out), state
 
