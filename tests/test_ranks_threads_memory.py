@@ -325,6 +325,7 @@ print(f"growth_kb_per_step={(rss_kb() - before) / (steps * calls):.2f}", flush=T
 MAX_GROWTH_KB_PER_STEP = 45
 
 
+@pytest.mark.slow
 def test_mindspore_decode_memory_is_bounded():
     result = subprocess.run(
         [sys.executable, "-c", MEMORY_JOB], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300
