@@ -167,7 +167,7 @@ def _normalize_eos(eos: Optional[Union[int, Sequence[int]]]):
 
 
 # the HF generation_config fields generate() takes from a model when the caller did not set them
-_HF_FIELDS = (
+MODEL_DEFAULT_FIELDS = (
     "eos_token_id",
     "pad_token_id",
     "max_new_tokens",
@@ -194,7 +194,7 @@ def model_defaults(model) -> dict:
     hf_config = getattr(model, "generation_config", None)
     if hf_config is not None and hasattr(hf_config, "to_diff_dict"):
         diff = hf_config.to_diff_dict()
-        for name in _HF_FIELDS:
+        for name in MODEL_DEFAULT_FIELDS:
             value = diff.get(name, getattr(hf_config, name, None) if name.endswith("token_id") else None)
             if value is not None:
                 found[name] = value

@@ -21,6 +21,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hyper_gen.config import MODEL_DEFAULT_FIELDS
+
 # text weights of the multimodal checkpoints live under this prefix; we expose them as "model."
 _MULTIMODAL_TEXT_PREFIX = "model.language_model."
 _SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.")
@@ -312,18 +314,7 @@ class Checkpoint:
 
 
 # generation_config.json fields a native model hands generate() as its defaults (HF's names)
-GENERATION_FIELDS = (
-    "eos_token_id",
-    "pad_token_id",
-    "bos_token_id",
-    "max_new_tokens",
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-)
+GENERATION_FIELDS = MODEL_DEFAULT_FIELDS + ("bos_token_id",)
 
 
 def generation_defaults(checkpoint: Checkpoint) -> dict:
