@@ -13,3 +13,14 @@ BACKENDS = ["torch", "mindspore"]
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return HARNESSES[request.param]()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls on a shared 2-core machine: a second OpenMP thread costs 30x in waits."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,7 +22,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from error_log import ErrorLog
 from model_harness import (
     BACKENDS,
@@ -112,13 +111,7 @@ def _holds_on_other_chunk_boundaries(backend, dtype):
     return facts["float64_exact_on_any_chunking"] if dtype == "float64" else facts["rounds_like_hf"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: a second OpenMP thread costs 30x in waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

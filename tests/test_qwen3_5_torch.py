@@ -18,13 +18,7 @@ from hyper_gen.models.loading import load_model
 VOCAB = TINY_TEXT_CONFIG["vocab_size"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: a second OpenMP thread costs 30x in waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
