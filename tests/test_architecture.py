@@ -19,9 +19,11 @@ FLOORS = {
     "core": 0,  # hyper_gen/*.py: config, inputs, masks, sampling, noise, cache, drivers, generation, ...
     "parallel": 0,
     "demo": 0,
+    "engine": 0,  # in-flight batching: slots, per-request sampling, the async request API
     "models": 1,  # family descriptions, checkpoint reader, load_model (reaches kernels via the registry)
     "backends": 2,  # ops + kernels consume core and the model descriptions
     "cli": 3,
+    "server": 3,  # the OpenAI-compatible HTTP server (FastAPI + uvicorn) on the engine
     "bench": 3,
     "facade": 4,
 }
@@ -118,7 +120,7 @@ def test_imports_point_down():
     assert not upward, "imports pointing up a floor:\n" + "\n".join(sorted(upward))
 
 
-@pytest.mark.parametrize("part", ["core", "parallel", "models", "cli", "demo"])
+@pytest.mark.parametrize("part", ["core", "parallel", "models", "cli", "demo", "engine", "server"])
 def test_no_framework_import_outside_the_backends(part):
     offenders = sorted(
         f"{module} imports {target}"
