@@ -24,12 +24,13 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def uniform_noise(seed: int, rows: np.ndarray, step: int, tokens: np.ndarray) -> np.ndarray:
-    """u in (0, 1), float64, one per (row, token); ``rows`` (B,), ``tokens`` (B, K)."""
+def uniform_noise(seed: int, rows: np.ndarray, step, tokens: np.ndarray) -> np.ndarray:
+    """u in (0, 1), float64, one per (row, token); ``rows`` (B,), ``step`` int or (B,), ``tokens`` (B, K)."""
+    steps = np.broadcast_to(np.asarray(step, dtype=np.uint64).reshape(-1), rows.shape)
     with np.errstate(over="ignore"):
         h = _mix(np.full(tokens.shape, np.uint64(seed) * _GOLDEN + np.uint64(1), dtype=np.uint64))
         h = _mix(h ^ (rows.astype(np.uint64)[:, None] + _GOLDEN))
-        h = _mix(h ^ (np.uint64(step) + _GOLDEN * np.uint64(2)))
+        h = _mix(h ^ (steps[:, None] + _GOLDEN * np.uint64(2)))
         h = _mix(h ^ (tokens.astype(np.uint64) + _GOLDEN * np.uint64(3)))
     return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
 
@@ -40,11 +41,13 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def sample_candidates(scores: np.ndarray, tokens: np.ndarray, config, step: int) -> np.ndarray:
+def sample_candidates(scores: np.ndarray, tokens: np.ndarray, config, step, rows=None) -> np.ndarray:
     """Pick one token per row from candidates ``scores`` / ``tokens`` (B, K) with HF's warper math.
 
     Candidates are ordered by score (descending) then token id, so ties resolve the same way on
-    every backend.
+    every backend. ``rows`` (B,): the noise row of each batch row (default 0..B-1), so a row keyed
+    by its global index (a data-parallel rank's offset, a request's choice index) draws the same
+    tokens in whatever batch it runs; ``step``: an int, or (B,) one per row.
     """
     scores = scores.astype(np.float64)
     order = np.lexsort((tokens, -scores), axis=-1)
@@ -66,6 +69,7 @@ def sample_candidates(scores: np.ndarray, tokens: np.ndarray, config, step: int)
         probs = _softmax(scores)
         scores = np.where(probs < config.min_p * probs[:, :1], -np.inf, scores)
     probs = _softmax(scores)
-    rows = np.arange(scores.shape[0])
+    index = np.arange(scores.shape[0])
+    rows = index if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
     race = probs / -np.log(uniform_noise(config.seed, rows, step, tokens))
-    return tokens[rows, race.argmax(axis=-1)]
+    return tokens[index, race.argmax(axis=-1)]

@@ -120,6 +120,12 @@ class MindSporeOps:
     def scatter(self, x, indices, values, axis=-1):
         return ops.tensor_scatter_elements(x, indices, values, axis)
 
+    def take(self, x, indices, axis=0):
+        return ops.gather(x, ms.Tensor(np.asarray(indices, dtype=np.int32)), axis)
+
+    def log_softmax(self, x, axis=-1):
+        return ops.log_softmax(x, axis)
+
     def multinomial(self, probs):
         return ops.multinomial(probs, 1).astype(ms.int64).reshape(-1)
 

@@ -98,6 +98,12 @@ class TorchOps:
     def scatter(self, x, indices, values, axis=-1):
         return x.scatter(axis, indices, values)
 
+    def take(self, x, indices, axis=0):
+        return torch.index_select(x, axis, torch.as_tensor(np.asarray(indices, dtype=np.int64), device=x.device))
+
+    def log_softmax(self, x, axis=-1):
+        return torch.log_softmax(x, dim=axis)
+
     def multinomial(self, probs):
         # exactly HF's draw, so the RNG stream matches HF under torch.manual_seed
         return torch.multinomial(probs, num_samples=1).squeeze(1)
