@@ -8,8 +8,18 @@ from .cache import DynamicCache, KVCache, StaticCache
 from .config import GenerationConfig
 from .generation import generate
 from .mixin import GenerateMixin
+from .outputs import GenerateOutput
 
-__all__ = ["generate", "GenerationConfig", "KVCache", "StaticCache", "DynamicCache", "GenerateMixin", "load_model"]
+__all__ = [
+    "generate",
+    "GenerationConfig",
+    "GenerateOutput",
+    "KVCache",
+    "StaticCache",
+    "DynamicCache",
+    "GenerateMixin",
+    "load_model",
+]
 __version__ = "0.1.0"
 
 

@@ -40,6 +40,15 @@ class GenerationConfig:
     seed: Optional[int] = None
     use_cache: bool = True
     cache_implementation: str = "static"
+    # rollouts (HF's names where HF has them)
+    num_return_sequences: int = 1
+    return_dict_in_generate: bool = False
+    output_scores: bool = False
+    output_logits: bool = False
+    output_logprobs: bool = False
+    stop_strings: Optional[Union[str, List[str]]] = None
+    synced_gpus: Optional[bool] = None
+    unshard_params: bool = False
 
     def __post_init__(self):
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -63,8 +72,25 @@ class GenerationConfig:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not isinstance(self.do_sample, bool):
             raise TypeError(f"do_sample must be a bool, got {self.do_sample!r}")
-        if not isinstance(self.use_cache, bool):
-            raise TypeError(f"use_cache must be a bool, got {self.use_cache!r}")
+        for name in (
+            "use_cache",
+            "return_dict_in_generate",
+            "output_scores",
+            "output_logits",
+            "output_logprobs",
+            "unshard_params",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.synced_gpus is not None and not isinstance(self.synced_gpus, bool):
+            raise TypeError(f"synced_gpus must be a bool or None (decide from the model), got {self.synced_gpus!r}")
+        _check_int("num_return_sequences", self.num_return_sequences, minimum=1)
+        if self.num_return_sequences > 1 and not self.do_sample:
+            raise ValueError(
+                f"num_return_sequences={self.num_return_sequences} needs do_sample=True: greedy decoding would "
+                "return the same row that many times (HF raises the same)"
+            )
+        self.stop_strings = _normalize_stop_strings(self.stop_strings)
         _check_int("pad_token_id", self.pad_token_id, minimum=0)
         self.eos_token_id = _normalize_eos(self.eos_token_id)
         if self.seed is not None:
@@ -75,7 +101,7 @@ class GenerationConfig:
             raise ValueError(
                 f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {self.cache_implementation!r}"
             )
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "pad_token_id", "seed"):
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "pad_token_id", "seed", "num_return_sequences"):
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -151,6 +177,19 @@ def _check_number(name, value):
         raise TypeError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _normalize_stop_strings(stop):
+    """A str or a list of non-empty str, as a list; None stays None."""
+    if stop is None:
+        return None
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not items:
+        raise TypeError(f"stop_strings must be a str or a non-empty list of str, got {stop!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop_strings entries must be non-empty strings, got {item!r}")
+    return list(items)
 
 
 def _normalize_eos(eos: Optional[Union[int, Sequence[int]]]):

@@ -122,6 +122,33 @@ class _Driver:
         self._whole_decode_mask = False  # static cache: the model attends over every column
         self._unmask = None
 
+    def _expand(self, logits):
+        """After the prefill: each prompt row repeated ``num_return_sequences`` times (HF's
+        ``repeat_interleave`` order), its cache copied rather than recomputed, and the logits with it."""
+        repeats = self.config.num_return_sequences
+        if repeats == 1:
+            return logits
+        rows = np.repeat(np.arange(self.prompt.batch_size), repeats)
+        self.prompt = self.prompt.take(rows)
+        self.host_ids, self.host_mask = self.prompt.ids, self.prompt.mask
+        self.next_position = self.prompt.lengths.copy()
+        self._repeat_cache(rows)
+        return self.ops.take(logits, rows, 0)
+
+    def _repeat_cache(self, rows: np.ndarray) -> None:
+        """Copy the cache's rows ``rows`` (nothing to do without a cache)."""
+
+    def dummy_step(self) -> None:
+        """A forward whose result is thrown away, for a step-synced rank whose rows are all finished:
+        one token, no cache, so it costs little and leaves the cache untouched, and its collectives
+        (FSDP's parameter all-gathers, a TP layer's reductions) pair with the other ranks' forwards."""
+        self._call(
+            self.ops.asarray(self.prompt.ids[:1, -1:], "int64"),
+            position_ids=self._device(np.zeros((1, 1), dtype=np.int64), "int64", "position_ids"),
+            attention_mask=None,
+            past_key_values=None,
+        )
+
     def _call(self, ids, **kwargs):
         """The model on ``ids`` with the keywords its forward accepts (errors propagate)."""
         return self.model(ids, **self.signature.keep(kwargs))
@@ -218,9 +245,15 @@ class ReturnedCacheDriver(_Driver):
                 self.use_cache = False  # the model keeps no cache: recompute, as HF does
             else:
                 self.cache.update(past)
-                if prompt.padded:
-                    self._allocate_decode_mask(whole=False)
-        return _logits(output)
+        logits = self._expand(_logits(output))
+        if self.use_cache and prompt.padded:
+            self._allocate_decode_mask(whole=False)
+        return logits
+
+    def _repeat_cache(self, rows):
+        if self.cache.past_key_values is not None:
+            take = self.ops.take
+            self.cache.update([(take(k, rows, 0), take(v, rows, 0)) for k, v in self.cache.past_key_values])
 
     def _call_decode(self, tokens_device, positions, mask):
         output = self._call(
@@ -248,7 +281,7 @@ class CacheObjectDriver(_Driver):
     def prefill(self):
         ops, prompt, cfg = self.ops, self.prompt, self.config
         if not self.use_cache:
-            return self._full_recompute()
+            return self._expand(self._full_recompute())
         self.cache = make_cache(cfg.cache_implementation, ops, prompt.batch_size, self.total_length)
         if prompt.padded:
             self.cache.prompt_mask = ops.asarray(prompt.mask, self.dtype)
@@ -259,8 +292,27 @@ class CacheObjectDriver(_Driver):
         )
         self.cache.advance(prompt.width)
         self.cache.prompt_mask = None
+        logits = self._expand(_logits(output))
         self._allocate_decode_mask(whole=self.cache.is_static)
-        return _logits(output)
+        return logits
+
+    def _repeat_cache(self, rows):
+        cache = getattr(self, "cache", None)
+        if cache is None:
+            return
+        for store in (cache.keys, cache.values, cache.conv_states, cache.recurrent_states):
+            for layer in list(store):
+                store[layer] = self.ops.take(store[layer], rows, 0)
+        cache.batch_size = len(rows)
+
+    def dummy_step(self) -> None:
+        self._call(
+            self.ops.asarray(self.prompt.ids[:1, -1:], "int64"),
+            position_ids=self._device(np.zeros((1, 1), dtype=np.int64), "int64", "position_ids"),
+            attention_mask=None,
+            past_key_values=None,
+            logits_to_keep=1,
+        )
 
     def _call_decode(self, tokens_device, positions, mask):
         output = self._call(
@@ -316,7 +368,30 @@ class HFDriver(_Driver):
             from transformers import DynamicCache  # an HF model is in hand, so transformers is installed
 
             self._cache = DynamicCache(config=self.model.config)
-        return self._full_recompute()
+        return self._expand(self._full_recompute())
+
+    def _repeat_cache(self, rows):
+        """Every tensor HF's cache layers hold (attention keys / values, linear-attention conv and
+        recurrent states), row-indexed: HF's own ``batch_repeat_interleave`` skips linear-attention layers."""
+        base = len(rows) // self.config.num_return_sequences
+
+        def repeated(value):
+            is_row_batched = self.ops.is_tensor(value) and value.ndim > 0 and value.shape[0] == base
+            return self.ops.take(value, rows, 0) if is_row_batched else value
+
+        for layer in getattr(self._cache, "layers", None) or ():
+            for name, value in list(vars(layer).items()):
+                if isinstance(value, dict):
+                    for key, state in list(value.items()):
+                        value[key] = repeated(state)
+                else:
+                    setattr(layer, name, repeated(value))
+
+    def dummy_step(self) -> None:
+        fixed = {k: v for k, v in self._fixed.items() if k != "logits_to_keep" or self.signature.declares(k)}
+        if "use_cache" in fixed:
+            fixed["use_cache"] = False
+        self.model(input_ids=self.ops.asarray(self.prompt.ids[:1, -1:], "int64"), **fixed)
 
     def _call_decode(self, tokens_device, positions, mask):
         return self._forward(tokens_device, positions)

@@ -15,9 +15,20 @@ import numpy as np
 from .config import GenerationConfig, resolve_config
 from .drivers import make_driver
 from .inputs import ModelLimits, check_against_model, check_vocabulary, prepare_prompts
-from .parallel.model_group import agree_on_tokens, check_consistent_inputs, exclusive, gather_vocab_logits
+from .outputs import StepRecorder
+from .parallel.model_group import (
+    agree_on_tokens,
+    check_consistent_inputs,
+    exclusive,
+    forward_is_collective,
+    gather_vocab_logits,
+    model_group_leader,
+    model_parameters_unsharded,
+)
+from .parallel.step_sync import RankFailed, StepSync
 from .registry import backend_for
 from .sampling import TokenSelector, apply_stopping_criteria
+from .stop_strings import StopStrings
 
 OnTokens = Callable[[int, np.ndarray, np.ndarray], Any]
 
@@ -30,6 +41,7 @@ def generate(
     *,
     streamer=None,
     on_tokens: Optional[OnTokens] = None,
+    tokenizer=None,
     **config_overrides,
 ):
     """Generate continuations of left-padded prompts with ``model``.
@@ -38,10 +50,12 @@ def generate(
     real token, 0 = left padding; None = no padding). Keyword overrides update the config
     (``generate(model, ids, max_new_tokens=8)``). ``streamer``: HF streamer protocol
     (``put(ids)``, ``end()``). ``on_tokens(step, token_ids (B,), finished (B,))``: called after
-    every step with host arrays.
+    every step with host arrays. ``tokenizer``: an HF tokenizer, needed by ``stop_strings``.
 
-    Returns an int64 tensor of the model's framework, (B, max_total_len): row i is its prompt
-    without padding, its generated tokens (with the EOS that ended it), then ``pad_token_id``.
+    Returns an int64 tensor of the model's framework, (B * num_return_sequences, max_total_len):
+    row i is its prompt without padding, its generated tokens (with the EOS that ended it), then
+    ``pad_token_id``; with ``return_dict_in_generate=True`` a :class:`~hyper_gen.outputs.GenerateOutput`
+    holding that as ``sequences`` (plus ``scores`` / ``logits`` / ``logprobs`` where asked).
 
     Bad input raises ``ValueError`` / ``TypeError`` naming the field and value before any forward
     where the model declares what is needed (``vocab_size``, ``max_position_embeddings``, on the
@@ -49,73 +63,154 @@ def generate(
     first logits' width, before the first token is chosen), a prompt that fills the context. A
     row stops where its prompt + generated tokens fill the declared context. Scores that are NaN,
     +inf or all -inf in a running row raise at that step (sampling.py).
+
+    Step-synced (``synced_gpus``, decided from the model when None: an FSDP / DTensor-sharded or
+    ``collective_forward`` model in a multi-rank job): every rank keeps stepping until every rank
+    is done, with the cache kept (parallel/step_sync.py); ``unshard_params=True`` all-gathers an
+    FSDP model's parameters once for the whole call instead of in every forward.
     """
     if model is None or not callable(model):
         raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
     config = resolve_config(generation_config, config_overrides, model)
     ops = backend_for(model, input_ids)
-    prompt = prepare_prompts(input_ids, attention_mask)
-    check_consistent_inputs(ops, model, prompt, config)
-    limits = ModelLimits.of(model)  # vocab_size / max_position_embeddings, where the model declares them
-    check_against_model(prompt, config, limits)  # before any forward
+    sync = _step_sync(ops, model, config)
+    try:
+        prompt = prepare_prompts(input_ids, attention_mask)
+        check_consistent_inputs(ops, model, prompt, config)
+        limits = ModelLimits.of(model)  # vocab_size / max_position_embeddings, where the model declares them
+        check_against_model(prompt, config, limits)  # before any forward
+        stops = None
+        if config.stop_strings:
+            stops = StopStrings(config.stop_strings, tokenizer, prompt.take(_repeat_rows(prompt, config)))
+    except Exception as error:
+        if sync is not None:
+            sync.start(error, 0)  # every rank learns it before anyone enters a forward
+        raise
+    if sync is not None:
+        sync.start(None, prompt.batch_size * config.num_return_sequences)
     dtype = ops.param_dtype(model)
+    loop = _DecodeLoop(model, ops, prompt, config, dtype, limits, sync, stops)
     with exclusive(ops, model), ops.no_grad():  # one thread at a time where the framework needs it
-        return _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens, limits)
+        with model_parameters_unsharded(ops, model, config.unshard_params):
+            return loop.run(streamer, on_tokens)
 
 
-def _decode_loop(model, ops, prompt, config, dtype, streamer, on_tokens, limits):
-    batch = prompt.batch_size
-    # per row: max_new_tokens, or fewer where the model's context ends (a row stops there)
-    room = limits.new_token_room(prompt, config.max_new_tokens)
-    capped = room < config.max_new_tokens
-    steps = int(room.max())
-    driver = make_driver(model, ops, prompt, _for_steps(config, steps), dtype)
-    eos = np.asarray(config.eos_token_ids, dtype=np.int64)
-    pad = config.pad_token_id
-    needs_ids = bool(config.logits_processor or config.stopping_criteria)
-    ids_view = ops.asarray(prompt.ids, "int64") if needs_ids else None
-    unfinished = np.ones(batch, dtype=bool)
-    generated = np.empty((batch, min(steps, 256)), dtype=np.int64)  # grows as steps happen
-    new_counts = np.zeros(batch, dtype=np.int64)
-    if streamer is not None:
-        streamer.put(prompt.ids.copy())
+def _step_sync(ops, model, config) -> Optional[StepSync]:
+    """The step-sync collectives when this call must keep every rank stepping, else None."""
+    if ops.world_size() == 1:
+        return None
+    synced = config.synced_gpus
+    if synced is None:
+        synced = forward_is_collective(ops, model)
+    return StepSync(ops, model_group_leader(ops, model)) if synced else None
 
-    logits = driver.prefill()
-    selector = None
-    for step in range(steps):
-        scores = ops.cast(gather_vocab_logits(ops, model, logits[:, -1]), "float32")
-        if selector is None:
-            if limits.vocab_size is None:  # undeclared: the logits tell, before the first token is chosen
-                check_vocabulary(prompt, config, int(scores.shape[-1]), "the width of its logits")
-            selector = TokenSelector(ops, config, prompt, int(scores.shape[-1]))
-        tokens = selector.select(scores, step, ids_view, unfinished)
-        tokens = agree_on_tokens(ops, model, config, tokens)  # framework-RNG draws: rank 0's, on every rank
-        tokens = np.where(unfinished, tokens, pad)
-        if step == generated.shape[1]:
-            generated = _widen(generated, steps)
-        generated[:, step] = tokens
-        new_counts += unfinished
-        if capped.any():
-            unfinished &= ~(capped & (new_counts >= room))
-        tokens_device = ops.asarray(tokens[:, None], "int64")
-        selector.observe(tokens_device)
-        if needs_ids:
-            ids_view = ops.concat([ids_view, tokens_device], 1)
-        if eos.size:
-            unfinished &= ~np.isin(tokens, eos)
-        stop = apply_stopping_criteria(config.stopping_criteria, ids_view, scores, batch)
-        if stop is not None:
-            unfinished &= ~stop
+
+def _repeat_rows(prompt, config) -> np.ndarray:
+    return np.repeat(np.arange(prompt.batch_size), config.num_return_sequences)
+
+
+class _DecodeLoop:
+    """One generate call's host state: which rows run, what was generated, what to report."""
+
+    def __init__(self, model, ops, prompt, config, dtype, limits, sync, stops):
+        self.model, self.ops, self.config, self.sync, self.stops = model, ops, config, sync, stops
+        # per row: max_new_tokens, or fewer where the model's context ends (a row stops there)
+        room = limits.new_token_room(prompt, config.max_new_tokens)
+        self.steps = int(room.max())
+        rows = _repeat_rows(prompt, config)
+        self.room, self.capped = room[rows], (room < config.max_new_tokens)[rows]
+        self.prompt = prompt
+        self.limits = limits
+        self.driver = make_driver(model, ops, prompt, _for_steps(config, self.steps), dtype)
+        self.in_forward = False
+
+    def _forward(self, call, *args):
+        self.in_forward = True
+        result = call(*args)
+        self.in_forward = False
+        return result
+
+    def run(self, streamer, on_tokens):
+        try:
+            return self._run(streamer, on_tokens)
+        except RankFailed:
+            raise
+        except Exception as error:
+            # between forwards, the other ranks wait at this step's exchange: tell them; inside a forward
+            # they wait in its collectives, which the collective timeout ends
+            if self.sync is not None and not self.in_forward:
+                self.sync.fail(error)
+            raise
+
+    def _run(self, streamer, on_tokens):
+        ops, config, driver, sync = self.ops, self.config, self.driver, self.sync
+        eos = np.asarray(config.eos_token_ids, dtype=np.int64)
+        pad = config.pad_token_id
         if streamer is not None:
-            streamer.put(tokens.copy())
-        if on_tokens is not None:
-            on_tokens(step, tokens.copy(), ~unfinished)
-        if not unfinished.any() or step + 1 == steps:
-            break
-        logits = driver.decode(tokens, tokens_device)
-    if streamer is not None:
-        streamer.end()
-    return ops.asarray(_assemble(prompt, generated, new_counts, pad), "int64")
+            streamer.put(self.prompt.ids.copy())
+        logits = self._forward(driver.prefill)
+        prompt = driver.prompt  # each row num_return_sequences times
+        batch = prompt.batch_size
+        needs_ids = bool(config.logits_processor or config.stopping_criteria)
+        ids_view = ops.asarray(prompt.ids, "int64") if needs_ids else None
+        unfinished = np.ones(batch, dtype=bool)
+        generated = np.empty((batch, min(self.steps, 256)), dtype=np.int64)  # grows as steps happen
+        new_counts = np.zeros(batch, dtype=np.int64)
+        recorder = StepRecorder(ops, config) if config.return_dict_in_generate else None
+        selector = None
+        done_here = False  # this rank's rows are all finished (step-synced ranks keep stepping)
+        step = 0
+        while True:
+            if not done_here:
+                raw = ops.cast(gather_vocab_logits(ops, self.model, logits[:, -1]), "float32")
+                if selector is None:
+                    if self.limits.vocab_size is None:  # undeclared: the logits tell, before the first token
+                        check_vocabulary(prompt, config, int(raw.shape[-1]), "the width of its logits")
+                    offset = sync.row_offset if sync is not None else 0
+                    selector = TokenSelector(ops, config, prompt, int(raw.shape[-1]), row_offset=offset)
+                    selector.keep_scores = recorder is not None and (config.output_scores or config.output_logprobs)
+                tokens = selector.select(raw, step, ids_view, unfinished)
+                tokens = agree_on_tokens(ops, self.model, config, tokens)  # framework-RNG draws: rank 0's
+                tokens = np.where(unfinished, tokens, pad)
+                if step == generated.shape[1]:
+                    generated = _widen(generated, self.steps)
+                generated[:, step] = tokens
+                new_counts += unfinished
+                if self.capped.any():
+                    unfinished &= ~(self.capped & (new_counts >= self.room))
+                tokens_device = ops.asarray(tokens[:, None], "int64")
+                selector.observe(tokens_device)
+                if recorder is not None:
+                    recorder.record(raw, selector.last_scores, tokens_device)
+                if needs_ids:
+                    ids_view = ops.concat([ids_view, tokens_device], 1)
+                running = unfinished.copy()
+                if eos.size:
+                    unfinished &= ~np.isin(tokens, eos)
+                if self.stops is not None:
+                    unfinished &= ~self.stops.check(tokens, running)
+                stop = apply_stopping_criteria(config.stopping_criteria, ids_view, raw, batch)
+                if stop is not None:
+                    unfinished &= ~stop
+                if streamer is not None:
+                    streamer.put(tokens.copy())
+                if on_tokens is not None:
+                    on_tokens(step, tokens.copy(), ~unfinished)
+                done_here = not unfinished.any() or step + 1 == self.steps
+            all_done = sync.step(not done_here) if sync is not None else done_here
+            if all_done:
+                break
+            if done_here:
+                self._forward(driver.dummy_step)  # keeps this rank's collectives paired with the others'
+            else:
+                logits = self._forward(driver.decode, tokens, tokens_device)
+                step += 1
+        if streamer is not None:
+            streamer.end()
+        sequences = ops.asarray(_assemble(prompt, generated, new_counts, pad), "int64")
+        if recorder is None:
+            return sequences
+        return recorder.finish(sequences, prompt.lengths.copy(), new_counts.copy())
 
 
 def _for_steps(config, steps: int):

@@ -47,6 +47,10 @@ class PromptBatch:
     def real_tokens(self, row: int) -> np.ndarray:
         return self.ids[row, self.width - int(self.lengths[row]) :]
 
+    def take(self, rows: np.ndarray) -> "PromptBatch":
+        """The batch of rows ``rows`` (repeated, reordered), e.g. each prompt n times for n samples."""
+        return PromptBatch(ids=self.ids[rows], mask=self.mask[rows], lengths=self.lengths[rows], padded=self.padded)
+
 
 def _first(where: np.ndarray):
     """(row, column) of the first True of a 2-D bool array, row-major."""

@@ -13,7 +13,12 @@ loader to build a native model, the CLI and the launchers to join a job). An ada
   ranks sharing a host), returning what it did;
 - ``resolve_device(device, dtype, tp) -> device``: where ``load_model`` puts the weights, raising
   ``ValueError`` for a dtype the device cannot compute in;
-- ``models``: a package with one module per model family (``models.qwen3_5.load(...)``).
+- ``models``: a package with one module per model family (``models.qwen3_5.load(...)``);
+- ``collective_forward(model) -> bool``: whether the model's forwards run collectives across
+  data-parallel ranks (FSDP, DTensor parameters), so generate keeps ranks stepping together;
+- ``find_parallelism(model) -> (group, vocab_parallel) | None``: tensor parallelism found in the
+  model's parameters (torch ``parallelize_module``), for models without ``parallel_group``;
+- ``parameters_unsharded(model)``: a context holding sharded parameters gathered (FSDP2 unshard).
 
 Adapters are imported on first use, and :func:`backend_for` only asks adapters whose framework is
 already imported, so ``import hyper_gen`` never imports torch or mindspore. A new backend is one

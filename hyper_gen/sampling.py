@@ -32,15 +32,19 @@ class TokenSelector:
     """Turns one step's float32 scores (B, V) into next tokens (B,) on the host.
 
     ``seed=None`` follows HF op for op on the device (bit-identical scores, HF's multinomial);
-    ``seed=<int>`` hands the top-k candidates to the portable host sampler (noise.py).
+    ``seed=<int>`` hands the top-k candidates to the portable host sampler (noise.py), keyed by
+    the global row (``row_offset`` + row), so data-parallel ranks never draw the same noise.
     """
 
-    def __init__(self, ops, config: GenerationConfig, prompt, vocab_size: int):
+    def __init__(self, ops, config: GenerationConfig, prompt, vocab_size: int, row_offset: int = 0):
         self.ops = ops
         self.config = config
         self.vocab_size = vocab_size
         batch = prompt.batch_size
         self.batch_size = batch
+        self.row_offset = row_offset  # this batch's first global row (data-parallel ranks): seeded noise key
+        self.keep_scores = bool(config.output_scores or config.output_logprobs)
+        self.last_scores = None
         eos_in_vocab = [e for e in config.eos_token_ids if e < vocab_size]
         self._eos_mask = None
         if config.min_new_tokens > 0 and eos_in_vocab:
@@ -155,31 +159,40 @@ class TokenSelector:
             scores = ops.where(probs < cfg.min_p * ops.max(probs, axis=-1), NEG_INF, scores)
         return scores
 
-    def draw(self, scores, step: int) -> np.ndarray:
-        """(B,) host int64 tokens: greedy argmax; HF-exact framework-RNG sample; or seeded host sample."""
+    def _draw(self, scores, warped, step: int) -> np.ndarray:
+        """(B,) host int64 tokens: greedy argmax; HF-exact framework-RNG sample; or seeded host sample.
+
+        ``warped``: the warpers' output, where the caller has it (the framework-RNG draw needs it)."""
         ops, cfg = self.ops, self.config
         if not cfg.do_sample:
             return ops.to_numpy(ops.argmax(scores, axis=-1))
         if cfg.seed is None:
-            return ops.to_numpy(ops.multinomial(ops.softmax(self.warp(scores), axis=-1)))
+            return ops.to_numpy(ops.multinomial(ops.softmax(warped, axis=-1)))
+        rows = self.row_offset + np.arange(self.batch_size)
         if cfg.top_k:
             values, indices = ops.topk(scores, min(cfg.top_k, self.vocab_size))
-            return sample_candidates(ops.to_numpy(values), ops.to_numpy(indices), cfg, step)
+            return sample_candidates(ops.to_numpy(values), ops.to_numpy(indices), cfg, step, rows)
         host = ops.to_numpy(scores)
-        return sample_candidates(host, np.broadcast_to(np.arange(host.shape[1]), host.shape), cfg, step)
+        return sample_candidates(host, np.broadcast_to(np.arange(host.shape[1]), host.shape), cfg, step, rows)
 
     def select(self, scores, step: int, input_ids_view=None, active: Optional[np.ndarray] = None) -> np.ndarray:
         """(B,) host int64 tokens; ``active`` (B,) bool: the rows still running (the only ones whose
-        non-finite scores raise; None = all)."""
+        non-finite scores raise; None = all). With ``keep_scores``, ``last_scores`` is the step's
+        distribution as HF's ``output_scores`` reports it: after the processors, and after the
+        warpers when sampling (on the device, also on the seeded path, whose draw warps on the host)."""
+        cfg = self.config
         scores = self.process(scores, step, input_ids_view)
         sums = self._row_sums(scores)
-        if self.config.do_sample:
+        if cfg.do_sample:
             # before the draw: the framework's multinomial raises (torch) or picks silently (MindSpore) on
             # NaN, and the host sampler would warn
             self._check_finite(scores, sums, step, active)
-            return self.draw(scores, step).astype(np.int64).reshape(-1)
-        tokens = self.draw(scores, step)  # argmax cannot fail: its sync first, then the check's small copy
+            warped = self.warp(scores) if (self.keep_scores or cfg.seed is None) else None
+            self.last_scores = warped
+            return self._draw(scores, warped, step).astype(np.int64).reshape(-1)
+        tokens = self._draw(scores, None, step)  # argmax cannot fail: its sync first, then the check's small copy
         self._check_finite(scores, sums, step, active)
+        self.last_scores = scores
         return tokens.astype(np.int64).reshape(-1)
 
 

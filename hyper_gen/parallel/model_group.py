@@ -28,17 +28,74 @@ import contextlib
 import dataclasses
 import hashlib
 import threading
+import weakref
 
 import numpy as np
+
+from hyper_gen import registry
+
+_FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> what its adapter found
+
+
+def _declared_parallelism(ops, model):
+    """(group, vocab_parallel): the model's own attributes, else what its backend finds in its
+    parameters (torch: a DTensor-sharded output layer from ``parallelize_module``), else (None, False)."""
+    if hasattr(model, "parallel_group"):
+        return model.parallel_group, bool(getattr(model, "vocab_parallel", False))
+    try:
+        return _FOUND[model]
+    except (KeyError, TypeError):
+        pass
+    found = registry.adapter(ops.name).find_parallelism(model) or (None, False)
+    try:
+        _FOUND[model] = found
+    except TypeError:  # not weak-referenceable: look again next call
+        pass
+    return found
 
 
 def parallel_group(ops, model):
     """(group, world size) when ``model`` is split across more than one rank, else (None, 1)."""
-    if not hasattr(model, "parallel_group"):
+    group, _ = _declared_parallelism(ops, model)
+    if group is None and not hasattr(model, "parallel_group"):
         return None, 1
-    group = model.parallel_group
     size = ops.world_size(group)
     return (group, size) if size > 1 else (None, 1)
+
+
+def is_vocab_parallel(ops, model) -> bool:
+    return _declared_parallelism(ops, model)[1]
+
+
+def forward_is_collective(ops, model) -> bool:
+    """True when every forward of ``model`` runs collectives with other data-parallel ranks, so ranks
+    must keep stepping together: the model says so (``collective_forward = True``), or its backend
+    finds FSDP / ZeRO-style sharding in it."""
+    declared = getattr(model, "collective_forward", None)
+    if declared is not None:
+        return bool(declared)
+    return bool(registry.adapter(ops.name).collective_forward(model))
+
+
+def model_group_leader(ops, model) -> int:
+    """The global rank of rank 0 of ``model``'s model-parallel group (itself when not model-parallel):
+    ranks of one group share their prompts, so they count once among the data-parallel rows."""
+    group, size = parallel_group(ops, model)
+    me = ops.rank()
+    if size == 1:
+        return me
+    mine = np.full((1, 1), float(me), dtype=np.float32)
+    everyone = ops.to_numpy(ops.all_gather(ops.asarray(mine, "float32"), axis=0, group=group))
+    return int(everyone.min())
+
+
+def model_parameters_unsharded(ops, model, enabled: bool):
+    """Context: ``model``'s sharded parameters gathered once for the whole call (FSDP2 ``unshard()``
+    ... ``reshard()``), so decoding does not all-gather every layer every token; a no-op when not
+    ``enabled`` or nothing is sharded. Costs the full parameters' memory on every rank meanwhile."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return registry.adapter(ops.name).parameters_unsharded(model)
 
 
 def _callables(value):
@@ -88,8 +145,11 @@ def check_consistent_inputs(ops, model, prompt, config) -> None:
 
 
 def gather_vocab_logits(ops, model, logits):
-    """Full-vocabulary logits (B, V) from a vocab-sharded model's local slice; else unchanged."""
-    if not getattr(model, "vocab_parallel", False):
+    """Full-vocabulary logits (B, V) from a vocab-sharded model's local slice (or a distributed
+    tensor of them); else unchanged."""
+    if ops.is_distributed(logits):  # a DTensor (torch tensor parallelism with use_local_output=False)
+        return ops.full_tensor(logits)
+    if not is_vocab_parallel(ops, model):
         return logits
     group, size = parallel_group(ops, model)
     if size == 1:

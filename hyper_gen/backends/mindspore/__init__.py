@@ -9,6 +9,8 @@ The adapter interface every backend provides is described in ``hyper_gen.registr
 
 from __future__ import annotations
 
+import contextlib
+
 import mindspore as ms
 
 from .ops import MindSporeOps, ms_dtype
@@ -76,6 +78,31 @@ def resolve_device(device, dtype: str, tp: int = 1) -> str:
     return target
 
 
+def collective_forward(model) -> bool:
+    """MindSpore has no sharding wrapper to find: a Cell whose forward gathers its parameter shards
+    (ZeRO-3 style) says so with ``collective_forward = True``, read by the core before this."""
+    return False
+
+
+def find_parallelism(model):
+    """None: a MindSpore tensor-parallel Cell declares ``parallel_group`` / ``vocab_parallel``."""
+    return None
+
+
+@contextlib.contextmanager
+def parameters_unsharded(model):
+    """A Cell that can gather its parameter shards once offers ``unshard()`` / ``reshard()``."""
+    unshard, reshard = getattr(model, "unshard", None), getattr(model, "reshard", None)
+    if callable(unshard) and callable(reshard):
+        unshard()
+        try:
+            yield
+        finally:
+            reshard()
+    else:
+        yield
+
+
 def ops_for(obj):
     """MindSporeOps for a Cell or Tensor, else None."""
     if isinstance(obj, (ms.Tensor, ms.nn.Cell)):
@@ -93,6 +120,9 @@ def host_ops() -> MindSporeOps:
 __all__ = [
     "NAME",
     "MindSporeOps",
+    "collective_forward",
+    "find_parallelism",
+    "parameters_unsharded",
     "configure",
     "default_device",
     "host_ops",

@@ -137,6 +137,12 @@ class MindSporeOps:
     def no_grad(self):
         return ms._no_grad()
 
+    def is_distributed(self, x):
+        return False  # MindSpore shards parameters and activations without a distributed tensor type
+
+    def full_tensor(self, x):
+        return x
+
     # collectives (CPU: AllGather / AllReduce / Broadcast only; Ascend HCCL has all) ------------
     def rank(self, group=None):
         if not _communication_ready():

@@ -16,6 +16,7 @@ from .devices import default_device, distributed_backend, npu_available, rank_de
 from .launch import init_from_env as init_distributed
 from .launch import shutdown as shutdown_distributed
 from .ops import TorchOps, torch_dtype
+from .sharding import collective_forward, find_parallelism, parameters_unsharded
 
 NAME = "torch"
 
@@ -67,6 +68,9 @@ def host_ops() -> TorchOps:
 __all__ = [
     "NAME",
     "TorchOps",
+    "collective_forward",
+    "find_parallelism",
+    "parameters_unsharded",
     "default_device",
     "distributed_backend",
     "host_ops",

@@ -7,6 +7,7 @@ import contextlib
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import launch
 
@@ -113,6 +114,12 @@ class TorchOps:
 
     def no_grad(self):
         return torch.no_grad()
+
+    def is_distributed(self, x):
+        return isinstance(x, DTensor)
+
+    def full_tensor(self, x):
+        return x.full_tensor() if isinstance(x, DTensor) else x
 
     # collectives -----------------------------------------------------------------------
     def rank(self, group=None):

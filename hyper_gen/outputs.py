@@ -1,0 +1,91 @@
+"""What ``generate(..., return_dict_in_generate=True)`` returns: HF's names, plus logprobs.
+
+PPO needs, for every generated token, its log-probability under the policy that sampled it (the
+importance ratio's denominator) and under the raw model (a KL term): vLLM returns the first as
+``logprobs``; HF leaves both to the caller, from ``scores`` / ``logits``. Both are computed here on
+the device, one gather per step, only when ``output_logprobs=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+
+@dataclass
+class GenerateOutput:
+    """``sequences``: what ``generate`` returns without ``return_dict_in_generate`` (each row
+    ``[prompt without padding | generated tokens | pad]``); ``generated_lengths`` / ``prompt_lengths``
+    (B,) host ints say where each row's generated tokens are, so step t of row i is
+    ``sequences[i, prompt_lengths[i] + t]`` for t < ``generated_lengths[i]``.
+
+    - ``scores``: with ``output_scores=True``, one (B, V) float32 tensor per step, the distribution
+      the token was chosen from as HF reports it (after the logits processors, and after the
+      temperature / top-k / top-p / min-p warpers when sampling);
+    - ``logits``: with ``output_logits=True``, one (B, V) float32 tensor per step, the model's raw
+      (vocab-gathered) logits;
+    - ``logprobs`` / ``raw_logprobs``: with ``output_logprobs=True``, (B, T) float32 tensors: the
+      chosen token's log-softmax under ``scores`` (the distribution sampled from) and under the raw
+      ``logits``; 0 past a row's end.
+    """
+
+    sequences: Any
+    prompt_lengths: np.ndarray
+    generated_lengths: np.ndarray
+    scores: Optional[Tuple[Any, ...]] = None
+    logits: Optional[Tuple[Any, ...]] = None
+    logprobs: Optional[Any] = None
+    raw_logprobs: Optional[Any] = None
+
+    def __getitem__(self, name: str):
+        """``out["sequences"]`` as on HF's ``ModelOutput``."""
+        if name not in self.keys():
+            raise KeyError(f"{name!r} is not in this output; it holds {list(self.keys())}")
+        return getattr(self, name)
+
+    def keys(self):
+        """The fields that are set (HF's ``ModelOutput`` lists only those)."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+
+class StepRecorder:
+    """Collects, step by step on the device, what ``GenerateOutput`` reports."""
+
+    def __init__(self, ops, config):
+        self.ops = ops
+        self.scores = [] if config.output_scores else None
+        self.logits = [] if config.output_logits else None
+        self.logprobs = [] if config.output_logprobs else None
+        self.raw_logprobs = [] if config.output_logprobs else None
+
+    def record(self, raw, processed, tokens_device) -> None:
+        """One step: ``raw`` (B, V) float32 logits, ``processed`` the scores sampled from, the chosen (B, 1)."""
+        ops = self.ops
+        if self.scores is not None:
+            self.scores.append(processed)
+        if self.logits is not None:
+            self.logits.append(raw)
+        if self.logprobs is not None:
+            self.logprobs.append(ops.take_along_axis(ops.log_softmax(processed, -1), tokens_device, -1))
+            self.raw_logprobs.append(ops.take_along_axis(ops.log_softmax(raw, -1), tokens_device, -1))
+
+    def finish(self, sequences, prompt_lengths, generated_lengths) -> GenerateOutput:
+        ops = self.ops
+        logprobs = raw_logprobs = None
+        if self.logprobs is not None:
+            steps = len(self.logprobs)
+            inside = np.arange(steps)[None, :] < generated_lengths[:, None]  # (B, T): a row's own tokens
+            inside = ops.asarray(inside, "bool")
+            logprobs = ops.where(inside, ops.concat(self.logprobs, 1), 0.0)
+            raw_logprobs = ops.where(inside, ops.concat(self.raw_logprobs, 1), 0.0)
+        return GenerateOutput(
+            sequences=sequences,
+            prompt_lengths=prompt_lengths,
+            generated_lengths=generated_lengths,
+            scores=None if self.scores is None else tuple(self.scores),
+            logits=None if self.logits is None else tuple(self.logits),
+            logprobs=logprobs,
+            raw_logprobs=raw_logprobs,
+        )
