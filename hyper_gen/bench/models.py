@@ -3,9 +3,12 @@
 For each shape a random-weight HF Qwen3.5 checkpoint is written once (cached under
 ``--cache-dir``), then in one run: HF ``generate`` on it, ``load_model(..., backend="torch")``
 and ``load_model(..., backend="mindspore")`` through ``hyper_gen.generate``. Reported: prefill
-latency, decode tokens/s, and the fraction of the memory-bandwidth roofline, i.e. the decode
-rate if every step only had to read the weights once at the machine's measured matrix-vector
-bandwidth.
+latency, decode tokens/s, end-to-end new tokens/s, and two anchors measured on this host in the
+same run: the memory-bandwidth roofline (the decode rate if every step only had to read the
+weights once at the measured matrix-vector bandwidth) and the compute floor (2 x parameters
+FLOPs per new token at the measured GEMM rate for as many rows as the batch has). With
+``--min-prompt-len`` below ``--prompt-len`` the batch is left-padded prompts of mixed lengths,
+the regime rollouts live in.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import numpy as np
 
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
+
+from .host import describe_host
 
 SHAPES = {
     # hidden 512, 8 layers, vocab 32k
@@ -84,6 +89,30 @@ def matvec_bandwidth(seconds: float = 1.0) -> float:
     return count * w.numel() * 4 / (time.perf_counter() - start)
 
 
+def gemm_flops(rows: int, size: int = 2048, seconds: float = 1.0) -> float:
+    """FLOP/s of a float32 (rows x size) @ (size x size) product (torch, this process's threads):
+    the rate a batched decode step's projections can reach at best on this host."""
+    import torch
+
+    x = torch.randn(rows, size)
+    w = torch.randn(size, size)
+    x @ w
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        x @ w
+        count += 1
+    return count * 2 * rows * size * size / (time.perf_counter() - start)
+
+
+def prompt_batch(batch: int, longest: int, shortest: int, vocab: int):
+    """(ids, mask): ``batch`` left-padded prompts with lengths spread evenly from ``shortest`` to ``longest``."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, vocab, (batch, longest))
+    lengths = np.linspace(longest, shortest, batch).round().astype(int) if batch > 1 else np.array([longest])
+    mask = (np.arange(longest)[None, :] >= (longest - lengths)[:, None]).astype(np.int64)
+    return np.where(mask == 1, ids, 0), mask
+
+
 def weight_bytes(model) -> int:
     """Bytes a decode step must read: every parameter once (tied embeddings counted once)."""
     total = 0
@@ -94,11 +123,11 @@ def weight_bytes(model) -> int:
 
 
 def _timed_generate(run, new_tokens: int, repeats: int):
-    """(prefill seconds, decode tokens/s per row) from a 1-token and an n-token run."""
+    """(prefill seconds, decode steps/s, end-to-end seconds) from a 1-token and an n-token run."""
     run(2)
     prefill = min(_seconds(lambda: run(1)) for _ in range(repeats))
     total = min(_seconds(lambda: run(new_tokens)) for _ in range(repeats))
-    return prefill, (new_tokens - 1) / max(total - prefill, 1e-9)
+    return prefill, (new_tokens - 1) / max(total - prefill, 1e-9), total
 
 
 def _seconds(fn) -> float:
@@ -118,18 +147,28 @@ def run_models(args):
 
     path = make_checkpoint(args.shape, args.cache_dir)
     bandwidth = matvec_bandwidth()
-    rng = np.random.default_rng(0)
-    ids = rng.integers(3, SHAPES[args.shape]["vocab_size"], (args.batch, args.prompt_len))
+    flops = gemm_flops(args.batch)
+    shortest = args.min_prompt_len or args.prompt_len
+    ids, mask = prompt_batch(args.batch, args.prompt_len, shortest, SHAPES[args.shape]["vocab_size"])
+    padded = bool((mask == 0).any())
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_id=None)
     rows = []
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     bytes_per_step = weight_bytes(hf)
-    ids_t = torch.from_numpy(ids)
+    params = bytes_per_step // 4
+    ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask) if padded else None
+    our_mask = mask if padded else None
 
     def hf_run(n, model=hf):
         return model.generate(
-            ids_t, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+            ids_t,
+            attention_mask=mask_t,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
         )
 
     rows.append(("HF generate (torch)",) + _timed_generate(hf_run, args.new_tokens, args.repeats))
@@ -139,21 +178,36 @@ def run_models(args):
         rows.append(
             (f"hyper_gen {backend}",)
             + _timed_generate(
-                lambda n, m=model: generate(m, ids, cfg.replace(max_new_tokens=n)), args.new_tokens, args.repeats
+                lambda n, m=model: generate(m, ids, cfg.replace(max_new_tokens=n), attention_mask=our_mask),
+                args.new_tokens,
+                args.repeats,
             )
         )
         del model
 
     roofline = bandwidth / bytes_per_step  # steps/s if a step only read the weights
+    floor = flops / (2 * params)  # new tokens/s if every FLOP ran at the batch's GEMM rate
+    prompts = f"prompts {shortest}-{args.prompt_len} (left-padded)" if padded else f"prompt {args.prompt_len}"
+    print(describe_host(torch.get_num_threads()))
     print(
-        f"Qwen3.5 '{args.shape}' random weights, float32, batch {args.batch}, prompt {args.prompt_len}, "
+        f"Qwen3.5 '{args.shape}' random weights, float32, batch {args.batch}, {prompts}, "
         f"{args.new_tokens} new tokens, torch threads {torch.get_num_threads()}"
     )
     print(
-        f"weights {bytes_per_step / 1e9:.2f} GB per step; matrix-vector bandwidth {bandwidth / 1e9:.1f} GB/s; "
-        f"roofline {roofline:.2f} steps/s"
+        f"weights {bytes_per_step / 1e9:.2f} GB per step; matrix-vector bandwidth {bandwidth / 1e9:.1f} GB/s -> "
+        f"roofline {roofline:.2f} steps/s; GEMM ({args.batch} rows) {flops / 1e9:.1f} GFLOP/s -> compute floor "
+        f"{floor:.1f} new tok/s"
     )
-    print(f"  {'':24s}{'prefill ms':>12s}{'decode tok/s':>14s}{'vs HF':>8s}{'roofline':>10s}")
-    hf_rate = rows[0][2]
-    for name, prefill, rate in rows:
-        print(f"  {name:24s}{prefill * 1e3:12.1f}{rate * args.batch:14.2f}{rate / hf_rate:8.2f}x{rate / roofline:9.0%}")
+    print(
+        f"  {'':24s}{'prefill ms':>12s}{'decode tok/s':>14s}{'e2e tok/s':>11s}{'vs HF':>8s}{'roofline':>10s}"
+        f"{'compute':>9s}"
+    )
+    hf_e2e = rows[0][3]
+    new_tokens = args.batch * args.new_tokens
+    for name, prefill, rate, total in rows:
+        decode = rate * args.batch
+        print(
+            f"  {name:24s}{prefill * 1e3:12.1f}{decode:14.2f}{new_tokens / total:11.2f}{hf_e2e / total:8.2f}x"
+            f"{rate / roofline:9.0%}{decode / floor:9.0%}"
+        )
+    print("vs HF: end-to-end; roofline: decode steps/s over the roofline; compute: decode tok/s over the floor")
