@@ -59,8 +59,8 @@ class TokenSelector:
                 seen[row, tokens[tokens < vocab_size]] = True
             self._seen = ops.asarray(seen, "bool")
             self._true_column = ops.asarray(np.ones((batch, 1), dtype=bool), "bool")
-        self._keep_top = None
-        if config.do_sample and config.seed is None and config.top_p < 1.0:
+        self._keep_top = None  # the seeded path warps on the device too when scores / logprobs are kept
+        if config.do_sample and config.top_p < 1.0:
             keep = np.ones((1, vocab_size), dtype=bool)
             keep[0, -1] = False  # the most probable token always survives top-p
             self._keep_top = ops.asarray(keep, "bool")

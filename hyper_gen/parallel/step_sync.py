@@ -81,7 +81,13 @@ class StepSync:
         flags = np.zeros((1, 1 + self.size), dtype=np.float32)
         flags[0, 0] = float(running)
         flags[0, 1 + self.rank] = float(failed)
-        total = self.ops.to_numpy(self.ops.all_reduce(self.ops.asarray(flags, "float32"), "sum")).reshape(-1)
+        try:
+            total = self.ops.to_numpy(self.ops.all_reduce(self.ops.asarray(flags, "float32"), "sum")).reshape(-1)
+        except BaseException:
+            # the exchange itself failed (a peer stalled or gone: the collective timeout): reporting that
+            # in another exchange would only wait out the timeout a second time
+            self._failed_reported = True
+            raise
         bad = [int(r) for r in np.flatnonzero(total[1:])]
         if bad:
             self._failed_reported = True
