@@ -125,7 +125,8 @@ def test_a_batch_generate_rejects_is_retried_row_by_row(tmp_path, monkeypatch):
     monkeypatch.setattr(batch_jobs, "completions", fake_completions)
     job = batch_jobs.open_job(str(inp), str(out))
     config = GenerationConfig(max_new_tokens=4, eos_token_id=1, pad_token_id=0)
-    assert batch_jobs.run_jsonl(None, load_tokenizer(DEMO_MODEL_DIR), config, job, batch_size=4, context=512) == 0
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    assert batch_jobs.run_jsonl(None, tokenizer, config, job, batch_size=4, context=512, batching="fixed") == 0
     records = {r["id"]: r for r in read_jsonl(out)}
     assert records["poison"] == {"id": "poison", "error": "generate says no"}
     assert all(records[key]["completion"] == " ok" for key in ("a", "c", "d"))
@@ -274,3 +275,60 @@ def test_resume_under_torchrun_tp2_rank0_writes(tmp_path):
         else:
             assert is_correct(good[row["id"]], row["completion"]), row
     assert summary(result.stdout + result.stderr)[:4] == (7, 4, 1, 2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_inflight_rows_equal_fixed_micro_batches_and_seeds_follow_the_row(tmp_path, backend):
+    """Refilling finished rows changes no greedy completion; under --seed a row's sample depends on its
+    id only (not on its batch or on which rows a resumed run skips), and equal prompts differ."""
+    from hyper_gen import load_model
+
+    model = load_model(DEMO_MODEL_DIR, backend=backend)
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    inp = tmp_path / "in.jsonl"
+    good = good_rows(10, seed=27)
+    good["twin"] = good["good-0"]
+    write_lines(inp, [json.dumps({"id": key, "prompt": p}) for key, p in good.items()])
+
+    def run(name, config, batch_size, batching, done=()):
+        out = tmp_path / f"{name}.jsonl"
+        write_lines(out, [json.dumps({"id": key, "completion": "earlier"}) for key in done])
+        job = batch_jobs.open_job(str(inp), str(out))
+        assert batch_jobs.run_jsonl(model, tokenizer, config, job, batch_size, context=512, batching=batching) == 0
+        return {r["id"]: r for r in read_jsonl(out) if r["id"] not in done}
+
+    greedy = GenerationConfig(max_new_tokens=12, eos_token_id=1, pad_token_id=0)
+    inflight, fixed = run("inflight", greedy, 3, "inflight"), run("fixed", greedy, 3, "fixed")
+    assert inflight == fixed and all(is_correct(good[k], r["completion"]) for k, r in inflight.items())
+    assert {r["finish_reason"] for r in inflight.values()} == {"eos"}
+    if backend == "mindspore":  # the seeded draw is host numpy, the same on every backend (tests/test_engine.py)
+        return
+    sampled = greedy.replace(do_sample=True, temperature=2.5, top_k=0, seed=3)
+    wide = run("wide", sampled, 4, "inflight")
+    narrow = run("narrow", sampled, 1, "inflight", done=["good-1", "good-2"])
+    assert all(narrow[key] == wide[key] for key in narrow) and len(narrow) == len(good) - 2
+    assert wide["twin"]["completion"] != wide["good-0"]["completion"]
+
+
+def test_rows_with_their_own_max_tokens(tmp_path, capsys):
+    """A row's "max_tokens" replaces --max-new-tokens for it, in both batchings; a bad one is a skipped line."""
+    from hyper_gen import load_model
+
+    model = load_model(DEMO_MODEL_DIR, backend="torch")
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    inp = tmp_path / "in.jsonl"
+    limits = {f"r{i}": limit for i, limit in enumerate([3, 17, 1, 9, 30])}
+    prompts = [p for p, _ in make_prompts(len(limits), seed=28)]
+    lines = [json.dumps({"id": k, "prompt": p, "max_tokens": n}) for (k, n), p in zip(limits.items(), prompts)]
+    write_lines(inp, lines + [json.dumps({"id": "bad", "prompt": "rev 1 =", "max_tokens": 0})])
+    config = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+    records = {}
+    for batching in ("inflight", "fixed"):
+        out = tmp_path / f"{batching}.jsonl"
+        job = batch_jobs.open_job(str(inp), str(out))
+        assert batch_jobs.run_jsonl(model, tokenizer, config, job, 2, context=512, batching=batching) == 0
+        records[batching] = {r["id"]: r for r in read_jsonl(out)}
+    assert records["inflight"] == records["fixed"]
+    assert {k: r["completion_tokens"] for k, r in records["fixed"].items()} == limits
+    assert all(r["finish_reason"] == "length" for r in records["fixed"].values())
+    assert '"max_tokens" must be a positive integer, got 0' in capsys.readouterr().err

@@ -1,10 +1,14 @@
 """Offline JSONL generation (rollouts, evals) that survives interruption and bad input.
 
-Input lines are ``{"id": ..., "prompt": "..."}``. Each result is appended as one JSON line and
-flushed (and fsynced) as soon as its micro-batch finishes, so a killed run loses at most the batch
-in flight. Rerunning skips ids already in the output, and drops a half-written last line first, so
-no row is lost or written twice. Micro-batches are sorted by prompt length to waste little on
-padding, so the output is in completion order: match rows by id.
+Input lines are ``{"id": ..., "prompt": "..."}``. Rows run through the in-flight engine
+(``hyper_gen.engine``): ``--batch-size`` rows decode together and a finished row's slot is
+refilled with the next prompt at the next step, so a short completion never waits for the longest
+one of its batch (``batching="fixed"`` keeps the older fixed micro-batches, for comparison). Each
+result is appended as one JSON line and flushed (and fsynced) as soon as it finishes, so a killed
+run loses at most the rows in flight. Rerunning skips ids already in the output, and drops a
+half-written last line first, so no row is lost or written twice. The output is in completion
+order: match rows by id. With ``--seed S`` each row samples with its own seed made from S and
+its id, so a row's completion is the same whatever rows share its batch or were done before.
 
 No single input can stop a job. A malformed input line (not JSON, not UTF-8, no id or prompt, a
 duplicate id) is reported with its line number and skipped. A row generate cannot take (an empty
@@ -16,16 +20,24 @@ output file corrupt before its last line) are refused before the model loads.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import queue
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
+import numpy as np
 from tqdm import tqdm
 
+from hyper_gen.engine import Engine, EngineDeadError, SamplingParams
+
 from .common import Interrupted, UsageError, completions
+
+BATCHING = ("inflight", "fixed")
 
 # tokenizers that declare no length limit say model_max_length = int(1e30)
 _NO_LIMIT = 10**9
@@ -36,6 +48,7 @@ class Row:
     line: int  # in the input file
     id: object
     prompt: str
+    max_tokens: Optional[int] = None  # the row's own "max_tokens" (None: --max-new-tokens)
 
     @property
     def key(self) -> str:
@@ -118,7 +131,10 @@ def read_prompts(path: str):
                     raise ValueError("not a JSON object")
                 if "id" not in record or not isinstance(record.get("prompt"), str):
                     raise ValueError('needs "id" and a string "prompt"')
-                row = Row(number, record["id"], record["prompt"])
+                limit = record.get("max_tokens")
+                if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                    raise ValueError(f'"max_tokens" must be a positive integer, got {limit!r}')
+                row = Row(number, record["id"], record["prompt"], limit)
                 if row.key in seen:
                     raise ValueError(f"duplicate id {record['id']!r}")
             except ValueError as exc:
@@ -220,11 +236,45 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
-def run_jsonl(model, tokenizer, config, job: Job, batch_size: int, write: bool = True, context=None) -> int:
+def row_seed(seed, row: Row):
+    """The seed row ``row`` samples with under ``--seed seed``: a function of the seed and the row's
+    id only (rows with the same prompt still draw different samples), None without a seed."""
+    if seed is None:
+        return None
+    digest = hashlib.sha256(f"{seed}:{row.key}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def sampling_params(config, seed=None, max_tokens=None) -> SamplingParams:
+    """The engine's settings for a GenerationConfig: its EOS ids are the stop ids, exactly."""
+    sample = config.do_sample
+    max_tokens = max_tokens or config.max_new_tokens
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min(config.min_new_tokens, max_tokens),
+        temperature=config.temperature if sample else 0.0,
+        top_k=config.top_k if sample else 0,
+        top_p=config.top_p if sample else 1.0,
+        min_p=config.min_p if sample else 0.0,
+        repetition_penalty=config.repetition_penalty,
+        seed=seed,
+        stop_token_ids=config.eos_token_ids or None,
+        ignore_eos=True,  # the model's own EOS is already in the config's
+    )
+
+
+def run_jsonl(
+    model, tokenizer, config, job: Job, batch_size: int, write: bool = True, context=None, batching: str = "inflight"
+) -> int:
     """Generate every row of ``job`` not yet in its output; rank 0 (``write``) appends and reports.
 
-    Every rank runs the same batches (generate checks that they do), so every rank reads the job
-    before the model loads and only rank 0 touches the output."""
+    ``batching``: "inflight" (the engine refills finished rows) or "fixed" (micro-batches of
+    ``batch_size`` rows sorted by prompt length, each run to its longest row). Every rank reads
+    the job before the model loads and only rank 0 touches the output; under a multi-rank model
+    rank 0 runs the engine and the other ranks follow its steps (fixed: every rank runs the same
+    batches, which generate checks)."""
+    if batching not in BATCHING:
+        raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
 
     def say(line: str) -> None:
         if write:
@@ -250,12 +300,6 @@ def run_jsonl(model, tokenizer, config, job: Job, batch_size: int, write: bool =
         say(f"hyper-gen: {job.input_path}:{row.line}: id {row.id!r}: {message} (error record written)")
         return {"id": row.id, "error": message}
 
-    def alone(row: Row):
-        try:
-            return [row], completions(model, tokenizer, [row.prompt], config)
-        except (ValueError, TypeError) as exc:
-            return [row], exc
-
     total, already = len(job.rows), len(job.rows) - len(rows)
     generated = errors = tokens = 0
     progress = None
@@ -263,7 +307,7 @@ def run_jsonl(model, tokenizer, config, job: Job, batch_size: int, write: bool =
     try:
         good, lengths, bad = [], {}, []
         for row in rows:
-            length, problem = check_row(row.prompt, tokenizer, config.max_new_tokens, context)
+            length, problem = check_row(row.prompt, tokenizer, row.max_tokens or config.max_new_tokens, context)
             if problem is None:
                 good.append(row)
                 lengths[row.line] = length
@@ -276,33 +320,30 @@ def run_jsonl(model, tokenizer, config, job: Job, batch_size: int, write: bool =
             total=total, initial=already + errors, unit="row", disable=not write, desc="generate", file=sys.stderr
         )
         start = time.perf_counter()
-        for first in range(0, len(good), batch_size):
-            batch = good[first : first + batch_size]
-            try:
-                results = [(batch, completions(model, tokenizer, [row.prompt for row in batch], config))]
-            except (ValueError, TypeError) as exc:  # a row generate rejects: find it, keep the others
-                results = [(batch, exc)] if len(batch) == 1 else [alone(row) for row in batch]
+        run = _inflight if batching == "inflight" else _fixed
+        batches = run(model, tokenizer, config, good, batch_size)
+        for results in batches:
             records = []
-            for part, result in results:
+            for row, result in results:
                 if isinstance(result, Exception):
-                    records.append(failed(part[0], _first_line(result)))
+                    records.append(failed(row, _first_line(result)))
                     continue
-                for row, text, count, reason in zip(part, *result):
-                    records.append(
-                        {
-                            "id": row.id,
-                            "prompt": row.prompt,
-                            "completion": text,
-                            "completion_tokens": count,
-                            "finish_reason": reason,
-                        }
-                    )
+                text, count, reason = result
+                records.append(
+                    {
+                        "id": row.id,
+                        "prompt": row.prompt,
+                        "completion": text,
+                        "completion_tokens": count,
+                        "finish_reason": reason,
+                    }
+                )
             append(records)  # counted once on disk
             new_errors = sum("error" in record for record in records)
             errors += new_errors
             generated += len(records) - new_errors
             tokens += sum(record.get("completion_tokens", 0) for record in records)
-            progress.update(len(batch))
+            progress.update(len(records))
             progress.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
     except KeyboardInterrupt:
         finished = already + generated + errors
@@ -323,3 +364,92 @@ def run_jsonl(model, tokenizer, config, job: Job, batch_size: int, write: bool =
         f"{already} already done; {tokens} tokens in {seconds:.1f} s ({rate}) -> {job.output_path}"
     )
     return 0
+
+
+def _fixed(model, tokenizer, config, rows, batch_size: int):
+    """Fixed micro-batches: yields [(row, (text, tokens, reason) or the error)] per batch. A batch
+    generate rejects is retried row by row, so the error costs only the row that caused it."""
+    for first in range(0, len(rows), batch_size):
+        batch = rows[first : first + batch_size]
+        try:
+            yield list(zip(batch, _batch_completions(model, tokenizer, batch, config)))
+            continue
+        except (ValueError, TypeError) as exc:
+            if len(batch) == 1:
+                yield [(batch[0], exc)]
+                continue
+        out = []
+        for row in batch:
+            try:
+                out.append((row, _batch_completions(model, tokenizer, [row], config)[0]))
+            except (ValueError, TypeError) as exc:
+                out.append((row, exc))
+        yield out
+
+
+def _batch_completions(model, tokenizer, batch, config):
+    """[(text, tokens, reason)] of one micro-batch. Rows with their own max_tokens: the batch runs to
+    the largest (what a fixed batch costs) and each row keeps its own tokens up to its limit."""
+    prompts = [row.prompt for row in batch]
+    if all(row.max_tokens is None for row in batch):
+        return list(zip(*completions(model, tokenizer, prompts, config)))
+    limits = [row.max_tokens or config.max_new_tokens for row in batch]
+    steps = []
+    completions(
+        model,
+        tokenizer,
+        prompts,
+        config.replace(max_new_tokens=max(limits), min_new_tokens=min(config.min_new_tokens, max(limits))),
+        on_tokens=lambda step, tokens, finished: steps.append(tokens),
+    )
+    generated = np.stack(steps, axis=1)
+    eos, results = set(config.eos_token_ids), []
+    for row, limit in enumerate(limits):
+        ids = generated[row, :limit].tolist()
+        ended = next((i for i, t in enumerate(ids) if t in eos), None)
+        ids = ids if ended is None else ids[: ended + 1]
+        results.append(
+            (tokenizer.decode(ids, skip_special_tokens=True), len(ids), "length" if ended is None else "eos")
+        )
+    return results
+
+
+def _inflight(model, tokenizer, config, rows, batch_size: int):
+    """Every row through the engine at once: yields [(row, (text, tokens, reason) or the error)] as rows
+    finish (all that finished since the last yield). Ranks other than 0 follow the engine's steps."""
+    engine = Engine(model, tokenizer, max_batch_size=batch_size, admit_batch=max(1, batch_size // 4))
+    if engine.rank != 0:
+        engine.run_follower()
+        return
+    finished: queue.Queue = queue.Queue()
+    with engine:
+        rows_of = {}
+        for row in rows:
+            ids = tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
+            try:
+                stream = engine.submit(ids, sampling_params(config, row_seed(config.seed, row), row.max_tokens))
+            except (ValueError, TypeError) as exc:  # what check_row could not know
+                yield [(row, exc)]
+                continue
+            rows_of[id(stream)] = row
+            stream.add_done_callback(finished.put)
+        while rows_of:
+            try:
+                done = [finished.get(timeout=0.5)]
+            except queue.Empty:
+                continue
+            while not finished.empty():
+                done.append(finished.get_nowait())
+            yield [(rows_of.pop(id(stream)), _result(stream)) for stream in done]
+
+
+def _result(stream):
+    """(text, tokens, finish reason) of a finished stream; a ValueError / TypeError of its request (a row
+    the model rejects); anything else (the engine or the model broke) is raised: no error record."""
+    try:
+        choice = stream.result().outputs[0]
+    except EngineDeadError:
+        raise
+    except (ValueError, TypeError) as exc:
+        return exc
+    return choice.text, len(choice.token_ids), "eos" if choice.finish_reason == "stop" else choice.finish_reason

@@ -1,0 +1,151 @@
+"""Offline JSONL job: in-flight batching vs fixed micro-batches, on mixed prompt and output lengths.
+
+The job is 64 prompts of the demo task (2..8 digits) whose rows ask for 4..64 new tokens each
+(``"max_tokens"`` per row, drawn independently of the prompt, as real completion lengths are;
+EOS off so every row runs to its own limit). Both runs go through the real job code
+(``hyper_gen.cli.batch_jobs.run_jsonl``, fsync per result included) with the same batch size:
+
+- fixed: micro-batches sorted by prompt length, each run until its longest row is done (a row
+  that is done keeps its slot, padding, until then);
+- in-flight: the engine refills a finished row's slot with the next prompt at the next step.
+
+Both produce the same tokens (greedy); the point is seconds. After a warm-up round the two
+alternate ``repeats`` times and each keeps its fastest run (a shared machine's load only ever
+adds time). Printed with the host (CPU, ISA, threads), since ratios move between hosts.
+Run: ``python -m hyper_gen.bench.offline [--backend mindspore] [--rows 64] [--batch-size 16]``;
+``hyper-gen bench serve`` prints it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .host import describe_host
+
+
+@dataclass
+class OfflineComparison:
+    backend: str
+    rows: int
+    batch_size: int
+    tokens: int
+    fixed_s: float
+    inflight_s: float
+    host: str
+
+    @property
+    def speedup(self) -> float:
+        return self.fixed_s / self.inflight_s
+
+    def __str__(self) -> str:
+        return "\n".join(
+            [
+                f"offline JSONL job: {self.rows} rows, 4..64 new tokens each ({self.tokens} in all), "
+                f"batch size {self.batch_size}, {self.backend}",
+                f"  {'batching':28s}{'seconds':>10s}{'tokens/s':>12s}",
+                f"  {'fixed micro-batches':28s}{self.fixed_s:10.2f}{self.tokens / self.fixed_s:12.1f}",
+                f"  {'in-flight (refill)':28s}{self.inflight_s:10.2f}{self.tokens / self.inflight_s:12.1f}",
+                f"  in-flight takes {self.speedup:.2f}x fewer seconds",
+                self.host,
+            ]
+        )
+
+
+def mixed_job(path: str, rows: int, seed: int = 0) -> None:
+    """``rows`` demo prompts with per-row max_tokens in 4..64, independent of the prompt."""
+    from hyper_gen.demo.task import make_prompts
+
+    rng = np.random.default_rng(seed)
+    limits = rng.integers(4, 65, size=rows)
+    with open(path, "w", encoding="utf-8") as f:
+        for i, ((prompt, _), limit) in enumerate(zip(make_prompts(rows, seed=seed), limits)):
+            f.write(json.dumps({"id": i, "prompt": prompt, "max_tokens": int(limit)}) + "\n")
+
+
+def _threads(backend: str):
+    """torch's intra-op threads when torch ran the job (MindSpore's CPU kernels report none)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None and backend != "mindspore" else None
+
+
+def run_offline_comparison(
+    model_path=None,
+    backend: str = "torch",
+    *,
+    model=None,
+    rows: int = 64,
+    batch_size: int = 16,
+    seed: int = 0,
+    repeats: int = 3,
+) -> OfflineComparison:
+    """Time both batchings on the mixed job (``model_path`` / ``model``: a checkpoint folder, default
+    the demo model); returns the comparison (``str()`` is the printed table)."""
+    from hyper_gen.cli import batch_jobs
+    from hyper_gen.cli.common import load_tokenizer
+    from hyper_gen.config import GenerationConfig
+    from hyper_gen.demo import demo_model_path
+    from hyper_gen.models.loading import load_model
+
+    path = model_path or model or demo_model_path()
+    loaded = load_model(path, backend=backend)
+    tokenizer = load_tokenizer(path)
+    config = GenerationConfig(max_new_tokens=64, eos_token_id=None, pad_token_id=0)
+    context = batch_jobs.context_length(loaded, tokenizer, path)
+    seconds, outputs = {"fixed": [], "inflight": []}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file = os.path.join(tmp, "in.jsonl")
+        mixed_job(job_file, rows, seed)
+        for round_ in range(1 + repeats):  # round 0 warms up
+            for batching in ("fixed", "inflight"):
+                out = os.path.join(tmp, f"{batching}.jsonl")
+                if os.path.exists(out):
+                    os.remove(out)
+                job = batch_jobs.open_job(job_file, out)
+                start = time.perf_counter()
+                with contextlib.redirect_stderr(io.StringIO()):  # the job's progress bar and summary line
+                    batch_jobs.run_jsonl(loaded, tokenizer, config, job, batch_size, context=context, batching=batching)
+                if round_:
+                    seconds[batching].append(time.perf_counter() - start)
+                with open(out, encoding="utf-8") as f:
+                    outputs[batching] = {r["id"]: r for r in map(json.loads, f)}
+    if outputs["fixed"] != outputs["inflight"]:
+        raise RuntimeError("in-flight and fixed micro-batches generated different completions")
+    tokens = sum(r["completion_tokens"] for r in outputs["inflight"].values())
+    return OfflineComparison(
+        backend,
+        rows,
+        batch_size,
+        tokens,
+        min(seconds["fixed"]),
+        min(seconds["inflight"]),
+        describe_host(_threads(backend)),
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hyper_gen.bench.offline", description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(
+        run_offline_comparison(
+            args.model, args.backend, rows=args.rows, batch_size=args.batch_size, repeats=args.repeats
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

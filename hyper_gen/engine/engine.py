@@ -1,0 +1,550 @@
+"""Engine: in-flight batching behind a thread-safe request API (the server and offline jobs stand on it).
+
+One background thread owns every model call (MindSpore's runtime is not thread-safe, and one
+owner makes the batch a plain data structure). Requests arrive from any thread through
+``submit``; each step the thread
+
+1. takes the plan (``plan.py``): rows to drop (finished, cancelled, failed), requests to admit
+   (FIFO, while the batch has slots and the step's prefill budget lasts), shutdown;
+2. drops those rows (``batch.py`` trims the columns nobody uses any more);
+3. decodes one token for every running row (one (B, 1) forward), picks each row's token with
+   its own settings (``selector.py``) and streams it;
+4. prefills the admitted requests (one left-padded forward for all of them; n choices share one
+   prefill), picks their first tokens and splices their rows into the batch.
+
+A request therefore joins at the next step and leaves the step after it finishes: the batch
+is never drained to let anyone in. Rows leave only at step 1, by the plan, so a multi-rank
+engine (rank 0 broadcasts the plan; the other ranks run ``run_follower``) keeps the same rows on
+every rank: what only rank 0 can know (text, stop strings, cancels) reaches the others there.
+
+Failure stays with whom it belongs to: a request the engine cannot take is a ``ValueError`` /
+``TypeError`` from ``submit``, before it is queued; a prefill that raises fails the requests
+admitted with it (each is retried alone first); a decode that raises fails the requests in the
+batch (their streams raise the model's error) and the engine goes on with an empty batch. An
+error in the engine itself stops it: every open stream raises ``EngineDeadError`` and so does
+every later ``submit``. No wait is unbounded by design: streams are always closed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import threading
+import uuid
+from collections import deque
+from typing import List, Optional
+
+import numpy as np
+
+from ..config import model_defaults
+from ..drivers import ForwardSignature, is_hf_model
+from ..inputs import ModelLimits
+from ..parallel.launcher import collective_timeout_s, heartbeat_s
+from ..parallel.model_group import exclusive, gather_vocab_logits, parallel_group
+from ..registry import backend_for
+from .batch import RaggedBatch
+from .outputs import ChoiceOutput, CompletionChunk, RequestOutput
+from .params import SamplingParams
+from .plan import Admission, StepPlan, share_plan
+from .request import Request
+from .selector import select
+from .stream import RequestStream
+
+_NEEDED = ("past_key_values", "attention_mask", "position_ids")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error of its own; the cause is chained (``__cause__``)."""
+
+
+def check_engine_model(model) -> None:
+    """TypeError unless the engine can batch ``model``: a native (cache-object) model, or an RFC
+    model whose forward takes past_key_values, attention_mask and position_ids."""
+    if model is None or not callable(model):
+        raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
+    if is_hf_model(model):
+        raise TypeError(
+            f"the engine does not batch unmodified HF transformers models ({type(model).__name__}); load the "
+            "checkpoint with hyper_gen.load_model(path) (native Qwen3.5), or use hyper_gen.generate for HF models"
+        )
+    signature = ForwardSignature(model)
+    missing = [name for name in _NEEDED if not signature.accepts(name)]
+    if missing:
+        raise TypeError(
+            f"the engine needs a model whose forward takes {', '.join(_NEEDED)} (a cache-object model from "
+            f"load_model, or the RFC contract); {type(model).__name__}'s forward takes no {', '.join(missing)}"
+        )
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class Engine:
+    """In-flight batching engine over one model (see the module docstring).
+
+    ``tokenizer``: any HF tokenizer, for chunk text and stop strings (None: ids only).
+    ``max_batch_size``: rows (choices) decoded together. ``max_model_len``: positions a request may
+    use (prompt + max_tokens), default the model's ``max_position_embeddings``.
+    ``max_prefill_tokens``: the most (padded) prompt tokens admitted in one step (at least one
+    request is), which bounds how long a step of the running rows can stall behind new prompts.
+    ``admit_batch``: admit waiting requests only once this many slots are free (or the batch is
+    empty): 1 (the default) gives the lowest latency; an offline job, where only throughput
+    counts, admits in groups so one prefill forward serves several requests (a prefill call
+    costs about two decode steps of a small model whatever its size).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_batch_size=32,
+        max_model_len=None,
+        max_prefill_tokens=4096,
+        admit_batch=1,
+    ):
+        check_engine_model(model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        self.max_prefill_tokens = _positive_int("max_prefill_tokens", max_prefill_tokens)
+        self.admit_batch = min(_positive_int("admit_batch", admit_batch), self.max_batch_size)
+        self.ops = backend_for(model)
+        limits = ModelLimits.of(model)
+        self.vocab_size = limits.vocab_size
+        if max_model_len is not None:
+            max_model_len = _positive_int("max_model_len", max_model_len)
+            if limits.context is not None and max_model_len > limits.context:
+                raise ValueError(
+                    f"max_model_len={max_model_len} is more than the model's context of {limits.context} positions "
+                    "(max_position_embeddings)"
+                )
+        self.max_model_len = max_model_len if max_model_len is not None else limits.context
+        eos = model_defaults(model).get("eos_token_id")
+        self.eos_token_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        group, size = parallel_group(self.ops, model)
+        self.world_size = size
+        self.rank = self.ops.rank(group) if size > 1 else 0
+        self._heartbeat_s = heartbeat_s(collective_timeout_s())
+        self._batch = RaggedBatch(model, self.ops, self.ops.param_dtype(model))
+        self._cond = threading.Condition()  # guards everything below that other threads touch
+        self._waiting: deque = deque()  # rank 0: submitted, not admitted
+        self._cancels: set = set()  # rank 0: serials whose streams asked to cancel
+        self._live: dict = {}  # serial -> Request admitted and not yet closed
+        self._drops: List[tuple] = []  # rank 0: rows to drop at the next plan
+        self._serials = itertools.count()
+        self._state = "new"  # new -> running -> stopping -> stopped | dead
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Start the engine thread (rank 0 of a multi-rank model; the other ranks run ``run_follower``)."""
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} of a multi-rank engine runs engine.run_follower(), not start()")
+        with self._cond:
+            if self._state != "new":
+                raise RuntimeError(f"the engine was already started (it is {self._state})")
+            self._state = "running"
+        self._thread = threading.Thread(target=self._run, name="hyper_gen-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: Optional[float] = 60.0) -> None:
+        """Stop: requests still queued or running end with finish_reason "abort"; the other ranks'
+        ``run_follower`` returns. Waits up to ``timeout`` s for the engine thread."""
+        with self._cond:
+            if self._state == "running":
+                self._state = "stopping"
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return self._state == "running"
+
+    # ---- requests ------------------------------------------------------------------------
+    def submit(self, prompt_token_ids, params: Optional[SamplingParams] = None, request_id: Optional[str] = None):
+        """Queue a request; returns its ``RequestStream``. Thread-safe. Raises ``ValueError`` /
+        ``TypeError`` for a request the engine cannot take, before it is queued."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = self._check_prompt(prompt_token_ids, params)
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex}"
+        elif not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {request_id!r}")
+        noise_seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(0, 2**63))
+        with self._cond:
+            self._check_running()
+            request = Request(next(self._serials), request_id, prompt, params, noise_seed)
+            request.stream = RequestStream(request_id, lambda: self._cancel(request.serial))
+            self._waiting.append(request)
+            self._cond.notify_all()
+        return request.stream
+
+    async def generate(self, prompt_token_ids, params: Optional[SamplingParams] = None, request_id=None):
+        """``async for chunk in engine.generate(ids, params)``; leaving the loop early cancels the request."""
+        stream = self.submit(prompt_token_ids, params, request_id)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            stream.cancel()
+
+    def run_batch(self, requests, return_exceptions: bool = False) -> list:
+        """``[(prompt_token_ids, params), ...]`` through the in-flight queue at once; ``RequestOutput``s
+        in input order. ``return_exceptions``: a request that fails (or is refused) gives its
+        exception in its place instead of raising. Starts (and then stops) the engine if needed."""
+        started_here = self._state == "new" and self.rank == 0
+        if started_here:
+            self.start()
+        try:
+            streams = []
+            for prompt, params in requests:
+                try:
+                    streams.append(self.submit(prompt, params))
+                except (TypeError, ValueError) as error:
+                    if not return_exceptions:
+                        for stream in streams:
+                            stream.cancel()
+                        raise
+                    streams.append(error)
+            results = []
+            for stream in streams:
+                if isinstance(stream, BaseException):
+                    results.append(stream)
+                    continue
+                try:
+                    results.append(stream.result())
+                except Exception as error:
+                    if not return_exceptions:
+                        raise
+                    results.append(error)
+            return results
+        finally:
+            if started_here:
+                self.shutdown()
+
+    def _check_running(self) -> None:
+        if self._state == "running":
+            return
+        if self._state == "dead":
+            raise EngineDeadError(f"the engine stopped on an error: {self._error!r}") from self._error
+        raise RuntimeError(
+            "the engine is not running: call engine.start() or use `with Engine(...) as engine:`"
+            if self._state == "new"
+            else "the engine was shut down"
+        )
+
+    def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> List[int]:
+        ids = np.asarray(prompt_token_ids)
+        if ids.dtype == bool or ids.dtype == object or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            raise TypeError(f"prompt_token_ids must be a list of ints (token ids), got dtype {ids.dtype}")
+        if ids.ndim != 1:
+            raise ValueError(f"prompt_token_ids must be one flat list of ids, got shape {ids.shape}")
+        if ids.size == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.vocab_size
+        outside = np.flatnonzero((ids < 0) | (ids >= vocab if vocab else ids < 0))
+        if outside.size:
+            i = int(outside[0])
+            limit = f"0..{vocab - 1} (the model's vocabulary of {vocab})" if vocab else "non-negative"
+            raise ValueError(f"prompt_token_ids[{i}] = {int(ids[i])} is not a token id: ids are {limit}")
+        if self.max_model_len is not None and ids.size + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt's {ids.size} tokens + max_tokens={params.max_tokens} = {ids.size + params.max_tokens} "
+                f"positions, more than max_model_len={self.max_model_len}: shorten the prompt or lower max_tokens"
+            )
+        if params.n > self.max_batch_size:
+            raise ValueError(f"n={params.n} is more than the engine's max_batch_size={self.max_batch_size}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs text: give the Engine a tokenizer")
+        if vocab and params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise ValueError(f"stop_token_ids {params.stop_token_ids} holds an id outside the vocabulary of {vocab}")
+        return [int(t) for t in ids]
+
+    def _cancel(self, serial: int) -> None:
+        with self._cond:
+            self._cancels.add(serial)
+            self._cond.notify_all()
+
+    # ---- the engine thread (rank 0) ------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with self.ops.no_grad():  # torch's no_grad is per thread: here, on the thread that calls the model
+                while True:
+                    plan = self._next_plan()
+                    if self.world_size > 1:
+                        share_plan(self.ops, plan)
+                    self._execute(plan)
+                    if plan.shutdown:
+                        break
+            with self._cond:
+                self._state = "stopped"
+        except BaseException as error:  # a bug or a dead peer: fail everyone loudly, never hang
+            self._die(error)
+
+    def _next_plan(self) -> StepPlan:
+        """Rank 0: the next step's plan; waits while there is nothing to do (heartbeats when multi-rank)."""
+        while True:
+            aborted = []
+            with self._cond:
+                if self._state != "running":
+                    aborted = list(self._waiting) + list(self._live.values())
+                    self._waiting.clear()
+                    plan = StepPlan(drops=self._take_drops(aborted), shutdown=True)
+                else:
+                    plan, aborted = self._plan_step()
+                    if plan.empty and not len(self._batch) and not aborted:  # idle
+                        self._cond.wait(self._heartbeat_s if self.world_size > 1 else 1.0)
+                        idle = self._state == "running" and not (self._waiting or self._cancels)
+                        if idle and self.world_size > 1:
+                            return plan  # an empty plan: the heartbeat the other ranks wait for
+                        continue
+            for request in aborted:
+                self._abort(request)
+            if not plan.empty or len(self._batch):
+                return plan
+
+    def _take_drops(self, requests) -> list:
+        drops = self._drops + [c.key for r in requests for c in r.choices]
+        self._drops = []
+        return drops
+
+    def _plan_step(self):
+        """(plan, requests to abort) from the queue, the cancels and the rows that ended (lock held)."""
+        cancelled = []
+        for serial in self._cancels:
+            queued = [r for r in self._waiting if r.serial == serial]
+            for request in queued:
+                self._waiting.remove(request)
+            cancelled += queued
+            if serial in self._live:
+                cancelled.append(self._live[serial])
+        self._cancels.clear()
+        drops = self._take_drops([r for r in cancelled if r.choices])
+        admissions = []
+        free = self.max_batch_size - len(self._batch) + sum(1 for d in drops if self._in_batch(d))
+        wanted = sum(r.params.n for r in itertools.islice(self._waiting, self.admit_batch))
+        if free < min(self.admit_batch, wanted) and free < self.max_batch_size:
+            free = 0  # wait for more slots to free up, then prefill several requests at once
+        longest = 0
+        while self._waiting and self._waiting[0].params.n <= free:
+            request = self._waiting[0]
+            longest = max(longest, len(request.prompt))
+            if admissions and longest * (len(admissions) + 1) > self.max_prefill_tokens:
+                break
+            self._waiting.popleft()
+            free -= request.params.n
+            self._live[request.serial] = request
+            admissions.append(
+                Admission(request.serial, request.request_id, request.prompt, request.params, request.noise_seed)
+            )
+        return StepPlan(admissions, drops), cancelled
+
+    def _in_batch(self, key) -> bool:
+        return any(row.key == key for row in self._batch.rows)
+
+    def _die(self, error: BaseException) -> None:
+        with self._cond:
+            self._state, self._error = "dead", error
+            requests = list(self._waiting) + list(self._live.values())
+            self._waiting.clear()
+            self._live.clear()
+        dead = EngineDeadError(f"the hyper_gen engine stopped on an error: {error!r}")
+        dead.__cause__ = error
+        for request in requests:
+            self._close(request, error=dead)
+        if self.world_size > 1:
+            try:  # let the other ranks leave run_follower instead of waiting out their timeout
+                share_plan(self.ops, StepPlan(shutdown=True))
+            except Exception:
+                pass
+
+    # ---- followers ----------------------------------------------------------------------
+    def run_follower(self) -> None:
+        """Ranks other than 0 of a multi-rank model: run rank 0's steps until it shuts down."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 runs engine.start(); run_follower is for the other ranks")
+        with self.ops.no_grad():
+            while True:
+                plan = share_plan(self.ops)
+                self._execute(plan)
+                if plan.shutdown:
+                    return
+
+    # ---- one step (every rank) -----------------------------------------------------------
+    def _execute(self, plan: StepPlan) -> None:
+        with exclusive(self.ops, self.model):
+            if plan.drops:
+                gone = set(map(tuple, plan.drops))
+                self._batch.drop([i for i, row in enumerate(self._batch.rows) if row.key not in gone])
+                self._forget(gone)
+            if plan.shutdown:
+                self._batch.clear()
+                return
+            if len(self._batch):
+                self._decode()
+            if plan.admissions:
+                self._admit([self._request_of(a) for a in plan.admissions])
+
+    def _forget(self, gone: set) -> None:
+        serials = {serial for serial, _ in gone}
+        with self._cond:
+            for serial in serials:
+                request = self._live.get(serial)
+                if request is not None and (request.closed or self.rank != 0):
+                    if not any(row.request is request for row in self._batch.rows):
+                        del self._live[serial]
+
+    def _request_of(self, admission: Admission) -> Request:
+        if self.rank == 0:
+            request = self._live[admission.serial]
+        else:
+            request = Request(
+                admission.serial, admission.request_id, admission.prompt, admission.params, admission.noise_seed
+            )
+            self._live[request.serial] = request
+        request.open_choices(self.eos_token_ids, self.tokenizer if self.rank == 0 else None)
+        return request
+
+    def _scores(self, logits):
+        return self.ops.cast(gather_vocab_logits(self.ops, self.model, logits), "float32")
+
+    def _vocab(self, scores) -> int:
+        return self.vocab_size or int(scores.shape[-1])
+
+    def _decode(self) -> None:
+        rows = list(self._batch.rows)
+        try:
+            scores = self._scores(self._batch.decode())
+        except Exception as error:  # the model failed: the rows in it fail, the engine goes on
+            self._batch.clear()
+            for request in {id(c.request): c.request for c in rows}.values():
+                self._fail(request, error)
+            return
+        selection = select(self.ops, scores, rows, self._vocab(scores), logprobs=self.rank == 0)
+        self._batch.pending = selection.tokens.copy()
+        self._record(rows, selection)
+
+    def _admit(self, requests: List[Request]) -> None:
+        try:
+            group = self._batch.prefill([r.prompt for r in requests])
+            scores = self._scores(group.logits)
+        except Exception as error:
+            if len(requests) > 1:  # find the one that fails; the others are fine alone
+                for request in requests:
+                    self._admit([request])
+                return
+            self._fail(requests[0], error)
+            return
+        sources = np.asarray([j for j, r in enumerate(requests) for _ in r.choices], dtype=np.int64)
+        choices = [c for r in requests for c in r.choices]
+        if len(sources) != len(requests):
+            scores = self.ops.take(scores, sources, 0)
+        selection = select(self.ops, scores, choices, self._vocab(scores), logprobs=self.rank == 0)
+        self._batch.join(group, sources, choices, selection.tokens)
+        self._record(choices, selection)
+
+    # ---- results (rank 0 streams them; every rank keeps the token counts) ----------------
+    def _record(self, choices, selection) -> None:
+        for row, choice in enumerate(choices):
+            request = choice.request
+            if request.closed or choice.finish_reason is not None:
+                continue
+            if selection.errors[row] is not None:
+                self._fail(request, selection.errors[row])
+                continue
+            token = int(selection.tokens[row])
+            choice.token_ids.append(token)
+            if self.rank != 0:
+                continue
+            self._emit(choice, token, selection.logprobs[row])
+
+    def _emit(self, choice, token: int, logprob) -> None:
+        request, params = choice.request, choice.request.params
+        if choice.logprobs is not None:
+            choice.logprobs.append(logprob)
+        reason = "stop" if token in request.stop_ids else "length" if choice.step >= params.max_tokens else None
+        text, stopped = choice.text.update(choice.token_ids)
+        if stopped:
+            reason = "stop"
+        if reason is not None:
+            text += choice.text.finish()
+        self._chunk(choice, [token], text, reason, None if logprob is None else [logprob])
+
+    def _chunk(self, choice, tokens, text, reason, logprobs) -> None:
+        request = choice.request
+        if reason is not None:
+            choice.finish_reason = reason
+            with self._cond:
+                self._drops.append(choice.key)
+        request.stream._push(
+            CompletionChunk(
+                request_id=request.request_id,
+                index=choice.index,
+                token_ids=tokens,
+                text=text,
+                finished=reason is not None,
+                finish_reason=reason,
+                logprobs=logprobs if request.params.logprobs is not None else None,
+                prompt_tokens=len(request.prompt),
+                completion_tokens=len(choice.token_ids),
+            )
+        )
+        if request.finished:
+            self._close(request, output=self._output(request))
+
+    def _abort(self, request: Request) -> None:
+        """End a request now (cancel, shutdown): its open choices get a final "abort" chunk."""
+        if request.closed:
+            return
+        if not request.choices:  # still queued
+            request.open_choices(self.eos_token_ids, self.tokenizer)
+        for choice in request.choices:
+            if choice.finish_reason is None:
+                self._chunk(choice, [], choice.text.finish(), "abort", [] if choice.logprobs is not None else None)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        if request.closed:
+            return
+        for choice in request.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = "error"
+        with self._cond:
+            self._drops.extend(c.key for c in request.choices)
+        self._close(request, error=error)
+
+    def _close(self, request: Request, output=None, error=None) -> None:
+        request.closed = True
+        if request.stream is not None:
+            request.stream._close(output, error)
+
+    @staticmethod
+    def _output(request: Request) -> RequestOutput:
+        outputs = [
+            ChoiceOutput(c.index, list(c.token_ids), c.text.text, c.finish_reason, c.logprobs) for c in request.choices
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt),
+            outputs=outputs,
+            prompt_tokens=len(request.prompt),
+            completion_tokens=sum(len(c.token_ids) for c in request.choices),
+        )
+
+
+__all__ = ["Engine", "EngineDeadError", "check_engine_model"]

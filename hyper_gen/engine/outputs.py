@@ -1,0 +1,58 @@
+"""What a request yields: ``CompletionChunk`` as tokens arrive, ``RequestOutput`` when it is done.
+
+Plain dataclasses of host values (ints, floats, strings), so a chunk can cross threads and event
+loops and be serialised by the server without touching a framework tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+# finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens), "abort" (cancelled
+# or the engine shut down); None while the choice runs
+
+
+@dataclass
+class CompletionChunk:
+    """New tokens of one choice (``index`` in 0..n-1) of one request.
+
+    ``text``: the new text ("" without a tokenizer; a multi-byte character split across tokens is
+    held back until complete, and text that could still become a stop string until it cannot).
+    ``logprobs``: one entry per new token, ``{"token_id", "logprob", "top_logprobs": [(id, logprob), ...]}``,
+    or None when the request asked for none. ``completion_tokens``: the choice's tokens so far.
+    """
+
+    request_id: str
+    index: int
+    token_ids: List[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str]
+    logprobs: Optional[List[dict]]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class ChoiceOutput:
+    """One finished choice: every token (with the EOS / stop token that ended it), its text (without
+    a stop string that ended it), why it ended, and its logprobs (None when not asked for)."""
+
+    index: int
+    token_ids: List[int]
+    text: str
+    finish_reason: Optional[str]
+    logprobs: Optional[List[dict]] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: List[int]
+    outputs: List[ChoiceOutput] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # over every choice
+
+
+__all__ = ["CompletionChunk", "ChoiceOutput", "RequestOutput"]

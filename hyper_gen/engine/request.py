@@ -1,0 +1,61 @@
+"""A request and its choices as the engine thread keeps them (host bookkeeping only)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from .detokenize import IncrementalText
+from .params import SamplingParams
+
+
+class Request:
+    """``serial``: the engine's own number for it (the same on every rank of a multi-rank engine);
+    ``noise_seed``: the seed its draws use (``params.seed``, or one drawn from fresh entropy)."""
+
+    def __init__(self, serial: int, request_id: str, prompt: List[int], params: SamplingParams, noise_seed: int):
+        self.serial = serial
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.noise_seed = noise_seed
+        self.stream = None  # RequestStream on rank 0; None on the other ranks
+        self.choices: List[Choice] = []
+        self.closed = False  # output delivered (or failed / aborted)
+        self.stop_ids: frozenset = frozenset()
+
+    def open_choices(self, eos_ids, tokenizer) -> None:
+        """The n choices, and the ids that end one: EOS (unless ignore_eos) and stop_token_ids."""
+        p = self.params
+        self.stop_ids = frozenset((p.stop_token_ids or [])) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
+        self.choices = [Choice(self, i, tokenizer) for i in range(p.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+
+class Choice:
+    """One of a request's n sequences; one batch row while it runs."""
+
+    def __init__(self, request: Request, index: int, tokenizer):
+        self.request = request
+        self.index = index
+        self.token_ids: List[int] = []
+        self.logprobs: Optional[List[dict]] = [] if request.params.logprobs is not None else None
+        self.finish_reason: Optional[str] = None
+        self.text = IncrementalText(tokenizer, request.params.stop_strings)
+        self.seen = None  # device (1, V) bool of ids seen so far, for the repetition penalty
+        # True once rank 0 alone ended it (a stop string, a cancel): its row leaves at the next plan
+        self.ended_on_rank0 = False
+
+    @property
+    def key(self):
+        return (self.request.serial, self.index)
+
+    @property
+    def step(self) -> int:
+        """The index of the token it draws next (0 for the first): the seeded noise's step."""
+        return len(self.token_ids)
+
+
+__all__ = ["Request", "Choice"]
