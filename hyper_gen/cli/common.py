@@ -39,6 +39,13 @@ def add_model_flags(parser):
         "--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun / msrun (default: %(default)s)"
     )
     parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks (the prompt split along the sequence), under torchrun / msrun; the job "
+        "has tp * cp ranks (default: %(default)s)",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=None,
@@ -144,6 +151,9 @@ def load_everything(args):
         raise UsageError(f"unknown backend {args.backend!r}; choose one of {', '.join(registry.names())}")
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    cp = getattr(args, "cp", 1)
+    if cp < 1:
+        raise UsageError(f"--cp must be >= 1, got {cp}")
     try:
         timeout_s = collective_timeout_s(getattr(args, "timeout", None))
     except ValueError as exc:
@@ -152,10 +162,10 @@ def load_everything(args):
     check_tokenizer_files(path)
     from hyper_gen.models.loading import load_model
 
-    if args.tp > 1 or launched_multi_rank():
+    if args.tp > 1 or cp > 1 or launched_multi_rank():
         init_distributed(args.backend, timeout_s=timeout_s)
     try:
-        model = load_model(path, backend=args.backend, dtype=args.dtype, tp=args.tp)
+        model = load_model(path, backend=args.backend, dtype=args.dtype, tp=args.tp, cp=cp)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     tokenizer = load_tokenizer(path)

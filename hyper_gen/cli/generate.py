@@ -31,7 +31,9 @@ def run_generate(args) -> int:
     rank0 = rank(args.backend) == 0
     if job is not None:
         context = context_length(model, tokenizer, model_path(args))
-        return run_jsonl(model, tokenizer, config, job, args.batch_size, write=rank0, context=context)
+        return run_jsonl(
+            model, tokenizer, config, job, args.batch_size, write=rank0, context=context, batching=args.batching
+        )
     if args.stream:
         for prompt in args.prompt:
             streamer = TextStreamer(

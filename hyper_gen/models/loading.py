@@ -2,8 +2,9 @@
 
 Backend- and family-neutral: the checkpoint's architecture picks the model family
 (``hyper_gen.models.FAMILIES``), the backend registry picks the adapter, and the adapter's
-``models.<family>.load(checkpoint, dtype, device, plan, group)`` builds the model. With
-``tp > 1`` the launcher's process group is joined here and each rank loads only its shard.
+``models.<family>.load(checkpoint, dtype, device, plan, group[, cp_plan])`` builds the model.
+With ``tp > 1`` or ``cp > 1`` the launcher's process group is joined here and each rank loads
+only its tensor-parallel shard (all of it under context parallelism alone).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional
 
 from hyper_gen import registry
 from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
+from hyper_gen.parallel.cp_plan import CPPlan, Mesh
 from hyper_gen.parallel.tp_plan import TPPlan
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -31,7 +33,9 @@ def family_for(checkpoint: Checkpoint):
     return importlib.import_module(f"hyper_gen.models.{family}")
 
 
-def load_model(path, backend: str = "torch", dtype: str = "float32", device: Optional[str] = None, tp: int = 1):
+def load_model(
+    path, backend: str = "torch", dtype: str = "float32", device: Optional[str] = None, tp: int = 1, cp: int = 1
+):
     """Load a checkpoint folder as a native ``backend`` model in ``dtype``.
 
     ``device``: a torch device string for ``backend="torch"`` (default CPU; with ``tp > 1`` the
@@ -45,9 +49,16 @@ def load_model(path, backend: str = "torch", dtype: str = "float32", device: Opt
     joined if not yet, the config is checked against ``TPPlan(tp, rank)`` before any weight is
     read, and each rank reads only its slices. The tp ranks are the whole job (world == tp).
     Pass the model to ``hyper_gen.generate`` on every rank with the same inputs.
+
+    ``cp``: context-parallel ranks (``hyper_gen.parallel.cp_plan``; contract in
+    docs/model_contract.md): each rank prefills its slice of the prompt and caches only that slice
+    of the attention K/V. The job is then a ``tp x cp`` mesh of exactly ``tp * cp`` ranks, tensor
+    parallelism innermost (global rank = cp_rank * tp + tp_rank).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be an int >= 1, got {cp!r}")
     registry.check_name(backend)
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a str, one of {DTYPES}, got {type(dtype).__name__} {dtype!r}")
@@ -56,14 +67,18 @@ def load_model(path, backend: str = "torch", dtype: str = "float32", device: Opt
     if device is not None and not isinstance(device, str):
         raise TypeError(f"device must be a str or None, got {type(device).__name__} {device!r}")
     adapter = registry.adapter(backend)
-    device = adapter.resolve_device(device, dtype, tp)
+    device = adapter.resolve_device(device, dtype, tp * cp)
 
     checkpoint = Checkpoint(path)
     family = family_for(checkpoint)
     config = family.config_from_checkpoint(checkpoint)
-    plan = _join_tp_job(adapter, tp, family, config) if tp > 1 else None
     kernels = importlib.import_module(f"{adapter.models.__name__}.{family.NAME}")
-    model = kernels.load(checkpoint, dtype, device=device, plan=plan, group=None)
+    if cp > 1:
+        plan, cp_plan = _join_mesh_job(adapter, tp, cp, family, config)
+        model = kernels.load(checkpoint, dtype, device=device, plan=plan, group=None, cp_plan=cp_plan)
+    else:
+        plan = _join_tp_job(adapter, tp, family, config) if tp > 1 else None
+        model = kernels.load(checkpoint, dtype, device=device, plan=plan, group=None)
     model.generation_defaults = generation_defaults(checkpoint)
     return model
 
@@ -89,3 +104,26 @@ def _join_tp_job(adapter, tp: int, family, config) -> TPPlan:
     plan = TPPlan(tp, rank)
     family.check_tp(plan, config)
     return plan
+
+
+def _join_mesh_job(adapter, tp: int, cp: int, family, config):
+    """(TPPlan, CPPlan) of this rank in the launcher's job of ``tp * cp`` ranks (``Mesh``: tp
+    innermost), the config checked against the tp split first (on every rank alike)."""
+    mesh = Mesh(tp, cp)
+    family.check_tp(TPPlan(tp, 0), config)
+    if not adapter.init_distributed():
+        raise ValueError(
+            f"cp={cp} needs {mesh.size} processes launched together ({adapter.launcher(mesh.size)} ...), but this "
+            f"is a single process with no process group; use cp=1{' and tp=1' if tp > 1 else ''} here"
+        )
+    ops = adapter.host_ops()
+    world, rank = ops.world_size(), ops.rank()
+    if world != mesh.size:
+        raise ValueError(
+            f"tp={tp} x cp={cp} needs {mesh.size} ranks but the job has {world}: the tp x cp mesh spans the whole "
+            f"job, launch it with {adapter.launcher(mesh.size)}"
+        )
+    tp_rank, cp_rank = mesh.coordinates(rank)
+    plan = TPPlan(tp, tp_rank)
+    family.check_tp(plan, config)
+    return plan, CPPlan(cp, cp_rank)

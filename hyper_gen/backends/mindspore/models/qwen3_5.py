@@ -51,6 +51,12 @@ rounds to float32, so a float64 model sums exactly instead: each rank's float64 
 int32 words through AllGather (exact) and every rank adds the tp parts in rank order. That costs
 tp times the all-reduce volume and is meant for validation (float64 TP logits match one device
 to float64 rounding); float32 / float16 use the native AllReduce.
+
+Context parallelism (``load(..., cp_plan=CPPlan(cp, rank))``, tp 1; contract: docs/model_contract.md)
+is the torch port's, step for step, on AllGather alone: each rank prefills its run of 64-position
+chunks, attention all-gathers K|V, Gated DeltaNet all-gathers the conv halo and relays the
+recurrent state in rank order, each rank's cache holds its K/V slice (the last rank appends the
+decode tokens) and decode merges the per-rank partial attention by log-sum-exp in rank order.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ from hyper_gen.models.qwen3_5.shards import (
     MoEShard,
     vocab_rows,
 )
+from hyper_gen.parallel.cp_plan import CPLayout, CPPlan
 from hyper_gen.parallel.tp_plan import TPPlan
 
 DTYPES = {"float32": ms.float32, "float64": ms.float64, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -281,18 +288,25 @@ def _chunk_constants(size: int, dtype) -> tuple:
 _solve_lower = ops.MatrixTriangularSolve(lower=True)
 
 
-def _chunked_delta_rule(q, k, v, g, beta, state):
+def _chunked_delta_rule(q, k, v, g, beta, state, chunk: int = 0):
     """Gated delta rule over a whole sequence, chunk by chunk (HF ``torch_chunk_gated_delta_rule``).
 
     q, k (B, H, S, Dk) l2-normalised, v (B, H, S, Dv), g (log decay) and
     beta (B, H, S), state (B, H, Dk, Dv) or None; all in the compute dtype. Inside a chunk the
     delta updates are a unit lower-triangular system solved at once (the UT transform); chunks
     are scanned in order. Sequences shorter than a chunk use a chunk of their own length (the
-    zero padding HF adds changes nothing but the cost).
+    zero padding HF adds changes nothing but the cost) unless ``chunk`` fixes the size. Two
+    phases: the per-chunk terms (``_chunk_terms``) and the scan carrying the state (``_chunk_scan``),
+    which a context-parallel rank runs once the previous rank's final state has arrived.
     """
+    return _chunk_scan(_chunk_terms(q, k, v, g, beta, chunk), state)
+
+
+def _chunk_terms(q, k, v, g, beta, chunk: int = 0) -> dict:
+    """Everything of the chunked delta rule that does not depend on the incoming state."""
     b, h, s, dk = k.shape
     dv = v.shape[-1]
-    size = min(_CHUNK, s)
+    size = chunk or min(_CHUNK, s)
     n = -(-s // size)
     pad = n * size - s
     if pad:
@@ -310,20 +324,33 @@ def _chunked_delta_rule(q, k, v, g, beta, state):
     system = eye + ops.matmul(k_beta, k_t) * decay * strict_lower
     exp_cum = ops.exp(cum)[..., None]
     solved = _solve_lower(system, ops.concat([v * beta, k_beta * exp_cum], -1))
-    values, k_cumdecay = solved[..., :dv], solved[..., dv:]
-    intra = ops.matmul(q, k_t) * decay
-    q = q * exp_cum
-    k_t = (k * ops.exp(cum[..., -1:] - cum)[..., None]).swapaxes(-1, -2)
-    chunk_decay = ops.exp(cum[..., -1])[..., None, None]
+    return {
+        "length": s,
+        "padded": bool(pad),
+        "shape": (b, h, dk, dv),
+        "values": solved[..., :dv],
+        "k_cumdecay": solved[..., dv:],
+        "intra": ops.matmul(q, k_t) * decay,
+        "q": q * exp_cum,
+        "k_t": (k * ops.exp(cum[..., -1:] - cum)[..., None]).swapaxes(-1, -2),
+        "chunk_decay": ops.exp(cum[..., -1])[..., None, None],
+        "dtype": cum.dtype,
+    }
+
+
+def _chunk_scan(terms: dict, state):
+    """The chunks in order, carrying the recurrent state: (output (B, H, S, Dv), final state)."""
+    values, k_cumdecay, intra = terms["values"], terms["k_cumdecay"], terms["intra"]
+    q, k_t, chunk_decay = terms["q"], terms["k_t"], terms["chunk_decay"]
     if state is None:
-        state = ops.zeros((b, h, dk, dv), cum.dtype)
+        state = ops.zeros(terms["shape"], terms["dtype"])
     outputs = []
-    for i in range(n):
+    for i in range(values.shape[2]):
         v_new = values[:, :, i] - ops.matmul(k_cumdecay[:, :, i], state)
         outputs.append(ops.matmul(q[:, :, i], state) + ops.matmul(intra[:, :, i], v_new))
         state = state * chunk_decay[:, :, i] + ops.matmul(k_t[:, :, i], v_new)
-    out = outputs[0] if n == 1 else ops.concat(outputs, 2)
-    return (out[:, :, :s] if pad else out), state
+    out = outputs[0] if len(outputs) == 1 else ops.concat(outputs, 2)
+    return (out[:, :, : terms["length"]] if terms["padded"] else out), state
 
 
 def _recurrent_step(q, k, v, inv_decay, beta, state):
@@ -334,6 +361,114 @@ def _recurrent_step(q, k, v, inv_decay, beta, state):
     delta = _mul(_sub(v, _bmm(k, state)), beta)
     state = _add(state, _bmm_ta(k, delta))  # + k^T delta
     return _bmm(q, state), state
+
+
+# ----------------------------------------------------------------------------------------------
+# context parallelism (hyper_gen.parallel.cp_plan; the torch port does the same, step for step)
+
+
+class ContextParallel:
+    """The context-parallel group of a model: its plan, its communication group (None: the world
+    group) and the one collective everything here uses, AllGather (float64 travels as raw bits:
+    ``MindSporeOps.all_gather``)."""
+
+    def __init__(self, plan: CPPlan, group=None):
+        self.plan = plan
+        self.group = group
+        self.ops = MindSporeOps()
+
+    def gather(self, x: Tensor) -> list:
+        """Every rank's ``x`` (same shape everywhere), in rank order."""
+        stacked = self.ops.all_gather(x.reshape((1,) + tuple(x.shape)), axis=0, group=self.group)
+        return [stacked[r] for r in range(self.plan.cp)]
+
+    def gather_sequence(self, x: Tensor, layout: CPLayout, axis: int) -> Tensor:
+        """The whole sequence along ``axis`` from every rank's slice of it (padded to the longest
+        for the all-gather, the real positions concatenated in rank order)."""
+        pad = layout.longest - x.shape[axis]
+        if pad:
+            shape = list(x.shape)
+            shape[axis] = pad
+            x = ops.concat([x, ops.zeros(tuple(shape), x.dtype)], axis)
+        parts = [
+            mint.narrow(p, axis, 0, layout.length_of(r)) for r, p in enumerate(self.gather(x)) if layout.length_of(r)
+        ]
+        return parts[0] if len(parts) == 1 else ops.concat(parts, axis)
+
+
+class CPStep:
+    """One forward of a context-parallel model: the prompt's layout, and whether this forward is
+    the sharded prefill (this rank computes only its slice), a replicated one (a prompt of fewer
+    chunks than ranks, a cacheless one-token call) or a decode step."""
+
+    def __init__(self, cp: ContextParallel, layout: CPLayout, decode: bool):
+        self.cp = cp
+        self.layout = layout
+        self.rank = cp.plan.rank
+        self.decode = decode
+        self.sharded = layout.sharded and not decode
+        self.start, self.stop = layout.slice_of(self.rank)
+
+    def store_prefill(self, cache, layer_idx: int, key: Tensor, value: Tensor) -> None:
+        """This rank's slice of the prompt's K/V (B, H, S, D) into the cache (static: a buffer with
+        room for the decode tokens on the owner); nothing for an empty slice of a dynamic cache."""
+        (b, h, _, d), dtype = key.shape, key.dtype
+        if not self.sharded:  # replicated prefill: K/V of every position, keep this rank's
+            key, value = (t[:, :, self.start : self.stop] if self.stop > self.start else None for t in (key, value))
+        if cache.is_static:
+            capacity = self.layout.static_capacity(self.rank, cache.max_length)
+            if capacity == 0:
+                return
+            keys, values = ops.zeros((b, h, capacity, d), dtype), ops.zeros((b, h, capacity, d), dtype)
+            if key is not None:
+                self.cp.ops.write_slice(keys, 2, 0, key)
+                self.cp.ops.write_slice(values, 2, 0, value)
+            cache.keys[layer_idx], cache.values[layer_idx] = keys, values
+        elif key is not None:
+            cache.keys[layer_idx], cache.values[layer_idx] = key, value
+
+    def decode_keys(self, cache, layer_idx: int, key: Tensor, value: Tensor, mask: Tensor):
+        """The new token's K/V appended on the owner; (keys, values, mask columns) this rank attends
+        over, or (None, None, None) when it holds none."""
+        if self.rank == self.layout.owner:
+            if cache.is_static:
+                self.cp.ops.write_slice(cache.keys[layer_idx], 2, cache.seq_length - self.start, key)
+                self.cp.ops.write_slice(cache.values[layer_idx], 2, cache.seq_length - self.start, value)
+            elif layer_idx in cache.keys:
+                cache.keys[layer_idx] = ops.concat([cache.keys[layer_idx], key], 2)
+                cache.values[layer_idx] = ops.concat([cache.values[layer_idx], value], 2)
+            else:
+                cache.keys[layer_idx], cache.values[layer_idx] = key, value
+        if layer_idx not in cache.keys:
+            return None, None, None
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+        return keys, values, mask[..., self.start : self.start + keys.shape[2]]
+
+    def merge_attention(self, out: Tensor, lse: Tensor) -> Tensor:
+        """Every rank's partial attention (output over its keys, log-sum-exp of its scores) merged
+        in rank order: the same arithmetic on the same gathered values on every rank."""
+        parts = self.cp.gather(ops.concat([out, lse], -1))
+        lses = [p[..., -1:] for p in parts]
+        top = lses[0]
+        for part in lses[1:]:
+            top = ops.maximum(top, part)
+        weights = [ops.exp(part - top) for part in lses]
+        total, merged = weights[0], weights[0] * parts[0][..., :-1]
+        for weight, part in zip(weights[1:], parts[1:]):
+            total = total + weight
+            merged = merged + weight * part[..., :-1]
+        return merged / total
+
+    def gather_rows(self, x: Tensor, b: int, logits_to_keep: int):
+        """After a sharded prefill: (rows (B * kept, H), kept) whose logits are returned, the same
+        on every rank (the last one comes from the rank holding the last position)."""
+        x = x.reshape(b, -1, x.shape[-1])
+        if logits_to_keep == 1:
+            return self.cp.gather(x[:, -1:])[self.layout.last_rank].reshape(b, -1), 1
+        x = self.cp.gather_sequence(x, self.layout, axis=1)
+        if logits_to_keep and logits_to_keep < x.shape[1]:
+            x = x[:, -logits_to_keep:]
+        return x.reshape(-1, x.shape[-1]), x.shape[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,7 +527,7 @@ class GatedAttention(nn.Cell):
         rotate[np.arange(half), np.arange(half, rot)] = 1.0
         self.rotate = Tensor(rotate, weights.ms_dtype)
 
-    def construct(self, x, b, s, cos, sin, attention_mask, cache):
+    def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None):
         n = b * s
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         heads = nh + nkv
@@ -408,7 +543,19 @@ class GatedAttention(nn.Cell):
             k = k.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
             v = v.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
             q = q.reshape(b, s, nh, d).transpose(0, 2, 1, 3).reshape(b, nkv, group * s, d)
-        keys, values = cache.update(k, v, self.layer_idx)
+        if cp_step is None:
+            keys, values = cache.update(k, v, self.layer_idx)
+        elif cp_step.decode:
+            out = _cast(self._attend_partial(q, k, v, attention_mask, cache, cp_step), x.dtype)
+            return _matmul(_mul(out.reshape(n, nh * d), _sigmoid(gate)), self.o_t)
+        else:  # context-parallel prefill: this rank's queries over the prompt's K/V (all-gathered when sharded)
+            cp_step.store_prefill(cache, self.layer_idx, k, v)
+            keys, values = k, v
+            if cp_step.sharded:
+                gathered = cp_step.cp.gather_sequence(ops.concat([k, v], -1), cp_step.layout, 2)
+                keys, values = gathered[..., :d], gathered[..., d:]
+                attention_mask = attention_mask[:, :, cp_step.start : cp_step.stop]
+            attention_mask = attention_mask[..., : cp_step.layout.width]
         t = keys.shape[2]
         scores = _bmm_tb(q, keys)  # (B, nkv, group * S, T)
         if s == 1:
@@ -422,6 +569,23 @@ class GatedAttention(nn.Cell):
         else:
             out = out.reshape(b, nh, s, d).transpose(0, 2, 1, 3).reshape(n, nh * d)
         return _matmul(_mul(out, _sigmoid(gate)), self.o_t)
+
+    def _attend_partial(self, q, k, v, mask, cache, step: CPStep):
+        """One decode token under context parallelism: this rank's (output, log-sum-exp) over its
+        cached slice, merged over the ranks (``CPStep.merge_attention``); (B, nkv, group, D)."""
+        keys, values, mask = step.decode_keys(cache, self.layer_idx, k, v, mask)
+        q = _cast(q, self.acc)
+        if keys is None:  # an empty slice: a zero output of zero weight
+            out = ops.zeros(q.shape, self.acc)
+            lse = Tensor(np.full(q.shape[:-1] + (1,), np.finfo(_numpy_dtype(self.acc)).min), self.acc)
+        else:
+            scores = _add(_bmm_tb(q, _cast(keys, self.acc)), _cast(mask, self.acc))  # (B, nkv, group, T)
+            top = ops.amax(scores, -1, True)
+            weights = _exp(_sub(scores, top))
+            total = _sum_last(weights, -1)
+            out = _div(_bmm(weights, _cast(values, self.acc)), total)
+            lse = _add(top, ops.log(total))
+        return step.merge_attention(out, lse)
 
 
 class GatedDeltaNet(nn.Cell):
@@ -495,16 +659,52 @@ class GatedDeltaNet(nn.Cell):
             out = out + padded[:, j : j + s] * self.conv_taps[j]
         return _silu(_cast(out, mixed.dtype)).reshape(b * s, c)
 
-    def construct(self, x, b, s, cache):
+    def _conv_context_parallel(self, mixed, cp_step: CPStep, cache):
+        """The conv over this rank's slice (B, s, channels) of a sharded prefill: the previous
+        slice's last kernel-1 pre-conv positions (the halo) come with one all-gather of every
+        rank's last kernel-1, which also gives every rank the whole prompt's conv state."""
+        keep, s = self.kernel - 1, mixed.shape[1]
+        tail = mixed[:, -keep:] if s >= keep else ops.pad(mixed, (0, 0, keep - s, 0))
+        tails = cp_step.cp.gather(tail)
+        layout = cp_step.layout
+        real = [t[:, keep - min(keep, layout.length_of(r)) :] for r, t in enumerate(tails) if layout.length_of(r)]
+        history = ops.concat(real, 1)[:, -keep:]  # a sharded prompt has >= 2 chunks, so >= kernel-1 positions
+        # the slices before the last are whole chunks (>= kernel-1 positions): the halo is the previous one's
+        halo = None if cp_step.rank == 0 else mint.transpose(tails[cp_step.rank - 1], 1, 2)
+        out = self._conv_sequence(mixed, halo, cache)
+        cache.conv_states[self.layer_idx] = mint.transpose(history, 1, 2)
+        return out
+
+    def _relayed_chunks(self, q, k, v, g, beta, cp_step: CPStep):
+        """The chunked delta rule of a sharded prefill, its state relayed in rank order: rank r
+        scans its chunks from rank r-1's final state; after each rank's scan one all-gather hands
+        its final state on (the last one gives every rank the whole prompt's state). Every slice
+        starts on a chunk boundary and uses one device's 64-position chunks."""
+        terms = _chunk_terms(q, k, v, g, beta, _CHUNK)
+        placeholder = ops.zeros(terms["shape"], terms["dtype"])
+        state = out = None
+        for turn in range(cp_step.cp.plan.cp):
+            if turn == cp_step.rank:
+                out, state = _chunk_scan(terms, state)
+            state = cp_step.cp.gather(state if turn == cp_step.rank else placeholder)[turn]
+        return out, state
+
+    def construct(self, x, b, s, cache, cp_step=None):
         n = b * s
+        sharded = cp_step is not None and cp_step.sharded
         if cache.seq_length == 0 and cache.prompt_mask is not None:
-            x = x * cache.prompt_mask.reshape(n, 1)  # left padding must not enter conv or state
+            prompt_mask = cache.prompt_mask
+            if sharded:
+                prompt_mask = prompt_mask[:, cp_step.start : cp_step.stop]
+            x = x * prompt_mask.reshape(n, 1)  # left padding must not enter conv or state
         mixed, z, beta, a = mint.split(_matmul(x, self.in_proj_t), self.split_sizes, -1)
         conv_state = cache.conv_states.get(self.layer_idx)
         state = cache.recurrent_states.get(self.layer_idx)
         step = s == 1 and state is not None
         if step:
             mixed = self._conv_step(mixed, conv_state, cache)
+        elif sharded:
+            mixed = self._conv_context_parallel(mixed.reshape(b, s, self.conv_dim), cp_step, cache)
         else:
             mixed = self._conv_sequence(mixed.reshape(b, s, self.conv_dim), conv_state, cache)
         acc = self.acc
@@ -526,7 +726,11 @@ class GatedDeltaNet(nn.Cell):
             q, k = (t.reshape(b, s, nv, dk).transpose(0, 2, 1, 3) for t in (q, k))
             v = v.reshape(b, s, nv, dv).transpose(0, 2, 1, 3)
             g = ops.neg(neg_g).reshape(b, s, nv).transpose(0, 2, 1)
-            out, state = _chunked_delta_rule(q, k, v, g, beta.reshape(b, s, nv).transpose(0, 2, 1), state)
+            beta = beta.reshape(b, s, nv).transpose(0, 2, 1)
+            if sharded:
+                out, state = self._relayed_chunks(q, k, v, g, beta, cp_step)
+            else:
+                out, state = _chunked_delta_rule(q, k, v, g, beta, state)
             out = out.transpose(0, 2, 1, 3)
         cache.recurrent_states[self.layer_idx] = state
         # gated RMSNorm over each value head, with HF's casts (exact no-ops in float32/float64);
@@ -630,12 +834,12 @@ class DecoderLayer(nn.Cell):
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         self.partial_sum = partial_sum
 
-    def construct(self, x, b, s, cos, sin, attention_mask, cache):
+    def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None):
         h = _rms_norm(x, self.eps)
         if self.is_attention:
-            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cos, sin, attention_mask, cache)))
+            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cos, sin, attention_mask, cache, cp_step)))
         else:
-            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cache)))
+            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cache, cp_step)))
         return _add(x, self.partial_sum(self.mlp.construct(_rms_norm(x, self.eps))))
 
 
@@ -656,12 +860,14 @@ class Qwen3_5ForCausalLM(nn.Cell):
 
     supports_cache_object = True
 
-    def __init__(self, shard: ModelShard, weights: _Weights, group=None):
+    def __init__(self, shard: ModelShard, weights: _Weights, group=None, cp_plan: CPPlan = None, cp_group=None):
         super().__init__()
         cfg, plan = shard.config, shard.plan
         self.config = cfg
         self.vocab_size = cfg.vocab_size
         self.tp_plan = plan
+        self.cp_plan = CPPlan.resolve(cp_plan)
+        self.context_parallel = ContextParallel(self.cp_plan, cp_group) if self.cp_plan.cp > 1 else None
         self.vocab_start, self.vocab_stop = shard.vocab_start, min(shard.vocab_stop, cfg.vocab_size)  # real ids here
         # (hidden, vocab) for the fast `x @ W`, in blocks of _HEAD_COLUMNS columns; a tied model
         # embeds by gathering their columns
@@ -673,7 +879,10 @@ class Qwen3_5ForCausalLM(nn.Cell):
         del head_t
         self.embed_tokens = None if shard.lm_head is None else weights.param(weights.vocab_rows(shard, EMBED_TOKENS))
         self.partial_sum = _PartialSum(plan.tp, group)
-        if plan.tp > 1:
+        if self.cp_plan.cp > 1:  # generate() checks inputs and agrees on tokens over the whole job
+            self.parallel_group = cp_group
+            self.vocab_parallel = False
+        elif plan.tp > 1:
             self.parallel_group = group
             self.vocab_parallel = True
         self.layers = nn.CellList(
@@ -742,18 +951,41 @@ class Qwen3_5ForCausalLM(nn.Cell):
         if attention_mask is None:
             total = cache.max_length if cache.is_static else cache.seq_length + s
             attention_mask = _causal_mask(s, cache.seq_length, total, self.dtype)
+        cp_step = None
+        if self.context_parallel is not None:
+            cp_step = self._cp_step(cache, s)
+            if cp_step.sharded:  # this rank's slice of the positions; the mask keeps its global columns
+                input_ids = input_ids[:, cp_step.start : cp_step.stop]
+                position_ids = position_ids[:, cp_step.start : cp_step.stop]
+                s = cp_step.stop - cp_step.start
         x = self._embed(input_ids)
         cos, sin = self._rotary(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer.construct(x, b, s, cos, sin, attention_mask, cache)
+            x = layer.construct(x, b, s, cos, sin, attention_mask, cache, cp_step)
         kept = s
-        if logits_to_keep and logits_to_keep < s:
+        if cp_step is not None and cp_step.sharded:
+            x, kept = cp_step.gather_rows(x, b, logits_to_keep)
+        elif logits_to_keep and logits_to_keep < s:
             kept = logits_to_keep
             x = x.reshape(b, s, -1)[:, -kept:].reshape(b * kept, -1)
         h = _cast(_mul(_normalize(_cast(x, self.eps.dtype), self.eps), self.norm), x.dtype)
         logits = [_matmul(h, block) for block in self.lm_head]
         logits = logits[0] if len(logits) == 1 else ops.concat(logits, -1)
         return {"logits": logits.reshape(b, kept, -1)}
+
+    def _cp_step(self, cache, seq: int) -> CPStep:
+        """The layout of this forward: a new one at the prefill (kept on the cache for decode)."""
+        if cache.seq_length == 0:
+            cache.cp_layout = layout = self.cp_plan.layout(seq)
+            return CPStep(self.context_parallel, layout, decode=False)
+        layout = getattr(cache, "cp_layout", None)
+        if layout is None or seq != 1:
+            raise ValueError(
+                f"a context-parallel model takes a prefill (an empty cache) or one token per row after it, got "
+                f"{seq} tokens after {cache.seq_length} cached positions"
+                + ("" if layout is not None else " in a cache it did not prefill")
+            )
+        return CPStep(self.context_parallel, layout, decode=True)
 
 
 def _block_width(columns: int, most: int) -> int:
@@ -779,14 +1011,31 @@ def _causal_mask(seq: int, past: int, total: int, dtype) -> Tensor:
     return Tensor(np.where(hidden, _MASK_MIN[dtype], 0.0)[None, None], dtype)
 
 
-def load(checkpoint, dtype: str = "float32", device=None, plan: TPPlan = None, group=None) -> Qwen3_5ForCausalLM:
+def load(
+    checkpoint, dtype: str = "float32", device=None, plan: TPPlan = None, group=None, cp_plan: CPPlan = None
+) -> Qwen3_5ForCausalLM:
     """A Qwen3.5 model from a ``hyper_gen.models.checkpoint.Checkpoint``, weights in ``dtype``.
 
     ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
     model); ``group``: the communication group of the ``tp`` ranks (None: the world group, whose
     size and this process's rank must then be ``tp`` and ``plan.rank``). ``device`` is accepted and
-    ignored: MindSpore's device target is chosen for the whole process."""
+    ignored: MindSpore's device target is chosen for the whole process.
+    ``cp_plan``: a ``CPPlan(cp, rank)`` for context parallelism over the world group (its size and
+    this process's rank must be ``cp`` and ``cp_plan.rank``); tp x cp meshes are torch-only so far."""
     plan = TPPlan.resolve(plan)
+    cp_plan = CPPlan.resolve(cp_plan)
+    if cp_plan.cp > 1:
+        if plan.tp > 1:
+            raise ValueError(
+                f"tp={plan.tp} with cp={cp_plan.cp} is not supported on MindSpore yet (the torch backend runs tp x cp "
+                "meshes); use tp=1 with cp, or cp=1 with tp"
+            )
+        ops_ = MindSporeOps()
+        if ops_.world_size() != cp_plan.cp or ops_.rank() != cp_plan.rank:
+            raise ValueError(
+                f"cp_plan cp={cp_plan.cp}, rank={cp_plan.rank} but this process is rank {ops_.rank()} of a "
+                f"{ops_.world_size()}-rank world: launch {cp_plan.cp} processes (msrun --worker_num={cp_plan.cp})"
+            )
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
@@ -801,7 +1050,7 @@ def load(checkpoint, dtype: str = "float32", device=None, plan: TPPlan = None, g
     shard = describe(checkpoint, Qwen3_5Config.from_dict(checkpoint.config), plan)  # splits checked, nothing read
     if plan.tp > 1:
         _check_group(plan, group)
-    model = Qwen3_5ForCausalLM(shard, _Weights(checkpoint, dtype), group)
+    model = Qwen3_5ForCausalLM(shard, _Weights(checkpoint, dtype), group, cp_plan)
     model.set_train(False)
     return model
 

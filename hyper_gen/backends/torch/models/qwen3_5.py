@@ -38,6 +38,17 @@ rank's block masked, local lookup) with one more. The LM head returns this rank'
 ``vocab_parallel`` / ``vocab_size`` tell generate() to all-gather and trim them. Per decode step:
 ``2 * num_hidden_layers + 1`` all-reduces of (B, 1, hidden) and one all-gather of the
 (B, padded V / tp) logits (``hyper_gen.models.qwen3_5.tp_traffic``).
+
+Context parallelism (``load(..., cp_plan=CPPlan(cp, rank))``; contract: docs/model_contract.md,
+"Context parallelism"; bookkeeping: ``hyper_gen.parallel.cp_plan``): every rank gets the whole
+batch and prefills its run of 64-position chunks (``CPStep``); attention all-gathers K|V once per
+layer, Gated DeltaNet all-gathers the conv halo once and relays the recurrent state in rank order
+(one all-gather per hand-over), so each rank runs one device's chunks with one device's float32
+arithmetic (float64 logits equal one device's). Each rank's cache holds its K/V slice; the last
+rank also appends every decode token's; a decode step merges the per-rank partial attention by
+log-sum-exp (one all-gather of (B, H, D + 1) per attention layer). Under a tp x cp mesh the tp
+and cp subgroups are made at load, and the vocabulary blocks are gathered over the tp group here,
+so generate() sees whole logits.
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ from hyper_gen.models.qwen3_5.shards import (
     MoEShard,
     vocab_rows,
 )
+from hyper_gen.parallel.cp_plan import CPLayout, CPPlan, Mesh
 from hyper_gen.parallel.tp_plan import TPPlan
 
 TORCH_DTYPES = {
@@ -133,6 +145,109 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat(((x_rot * cos) + (rotated * sin), x_pass), dim=-1)
 
 
+# ------------------------------------------------------------------------- context parallelism
+
+
+class ContextParallel:
+    """The context-parallel group of a model (``hyper_gen.parallel.cp_plan``): its plan, its
+    torch.distributed group (None: the world group) and the all-gather everything here uses."""
+
+    def __init__(self, plan: CPPlan, group=None):
+        self.plan = plan
+        self.group = group
+
+    def gather(self, x: torch.Tensor) -> list:
+        """Every rank's ``x`` (same shape everywhere), in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.plan.cp)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+    def gather_sequence(self, x: torch.Tensor, layout: CPLayout, axis: int) -> torch.Tensor:
+        """The whole sequence along ``axis`` from every rank's prefill slice of it: the slices are
+        padded to the longest for the all-gather and their real positions concatenated in order."""
+        pad = layout.longest - x.shape[axis]
+        if pad:
+            shape = list(x.shape)
+            shape[axis] = pad
+            x = torch.cat([x, x.new_zeros(shape)], dim=axis)
+        parts = self.gather(x)
+        return torch.cat([p.narrow(axis, 0, layout.length_of(r)) for r, p in enumerate(parts)], dim=axis)
+
+
+class CPStep:
+    """One forward of a context-parallel model: the prompt's layout and whether this forward is
+    the sharded prefill (``sharded``: this rank computes only its slice), a replicated one (a
+    prompt shorter than the ranks' chunks, a cacheless one-token call) or a decode step."""
+
+    def __init__(self, cp: ContextParallel, layout: CPLayout, decode: bool):
+        self.cp = cp
+        self.layout = layout
+        self.rank = cp.plan.rank
+        self.decode = decode
+        self.sharded = layout.sharded and not decode
+        self.start, self.stop = layout.slice_of(self.rank)
+
+    def store_prefill(self, cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """This rank's slice of the prompt's K/V into the cache (static: a buffer with room for
+        the decode tokens on the owner); nothing for an empty slice of a dynamic cache."""
+        if cache is None:
+            return
+        if not self.sharded:  # replicated prefill: K/V of every position, keep this rank's
+            key, value = key[:, :, self.start : self.stop], value[:, :, self.start : self.stop]
+        if cache.is_static:
+            capacity = self.layout.static_capacity(self.rank, cache.max_length)
+            if capacity == 0:
+                return
+            b, h, n, d = key.shape
+            keys, values = key.new_zeros(b, h, capacity, d), value.new_zeros(b, h, capacity, value.shape[-1])
+            keys[:, :, :n], values[:, :, :n] = key, value
+            cache.keys[layer_idx], cache.values[layer_idx] = keys, values
+        elif key.shape[2]:
+            cache.keys[layer_idx], cache.values[layer_idx] = key, value
+
+    def decode_keys(self, cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor):
+        """The new token's K/V appended on the owner; (keys, values, mask columns) this rank attends
+        over, or (None, None, None) when it holds none."""
+        layout, rank = self.layout, self.rank
+        if rank == layout.owner:
+            local = cache.seq_length - self.start
+            if cache.is_static:
+                cache.keys[layer_idx][:, :, local : local + 1] = key
+                cache.values[layer_idx][:, :, local : local + 1] = value
+            elif layer_idx in cache.keys:
+                cache.keys[layer_idx] = torch.cat([cache.keys[layer_idx], key], dim=2)
+                cache.values[layer_idx] = torch.cat([cache.values[layer_idx], value], dim=2)
+            else:
+                cache.keys[layer_idx], cache.values[layer_idx] = key, value
+        if layer_idx not in cache.keys:
+            return None, None, None
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+        return keys, values, mask[..., self.start : self.start + keys.shape[2]]
+
+    def merge_attention(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Every rank's partial attention (output normalised over its keys, log-sum-exp of its
+        scores) merged in rank order: the same arithmetic on the same gathered values on every rank."""
+        parts = self.cp.gather(torch.cat([out, lse], dim=-1))
+        lses = [p[..., -1:] for p in parts]
+        top = lses[0]
+        for part in lses[1:]:
+            top = torch.maximum(top, part)
+        weights = [(part - top).exp() for part in lses]
+        total, merged = weights[0], weights[0] * parts[0][..., :-1]
+        for weight, part in zip(weights[1:], parts[1:]):
+            total = total + weight
+            merged = merged + weight * part[..., :-1]
+        return merged / total
+
+    def gather_rows(self, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        """After a sharded prefill: the rows whose logits are returned, the same on every rank
+        (the last one comes from the rank holding the last position)."""
+        if logits_to_keep == 1:
+            return self.cp.gather(hidden[:, -1:])[self.layout.last_rank]
+        hidden = self.cp.gather_sequence(hidden, self.layout, axis=1)
+        return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+
+
 # ---------------------------------------------------------------------------------- attention
 
 
@@ -154,7 +269,7 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention_mask, cache):
+    def forward(self, x, cos, sin, attention_mask, cache, cp_step: Optional[CPStep] = None):
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         query_gate, key, value = (x @ self.qkv_proj).split([2 * h * d, kv * d, kv * d], dim=-1)
@@ -165,11 +280,48 @@ class GatedAttention(nn.Module):
         value = value.view(b, s, kv, d).transpose(1, 2)
         query = apply_rotary(query, cos, sin)
         key = apply_rotary(key, cos, sin)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        out = self._attend(query, key, value, attention_mask)
+        if cp_step is not None:
+            out = self._attend_context_parallel(query, key, value, attention_mask, cache, cp_step)
+        else:
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+            out = self._attend(query, key, value, attention_mask)
         out = out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
         return out @ self.o_proj
+
+    def _attend_context_parallel(self, query, key, value, mask, cache, step: CPStep):
+        """Sharded prefill: this rank's queries over every rank's K/V (one all-gather of K|V), the
+        mask rows of its global positions; replicated prefill: the whole prompt; both keep only
+        this rank's slice of K/V. Decode: partial attention over this rank's cached slice, merged
+        over the ranks by log-sum-exp (``CPStep.merge_attention``)."""
+        width = step.layout.width
+        if step.decode:
+            return self._attend_partial(query, key, value, mask, cache, step)
+        step.store_prefill(cache, self.layer_idx, key, value)
+        if step.sharded:
+            d = key.shape[-1]
+            key, value = step.cp.gather_sequence(torch.cat([key, value], dim=-1), step.layout, axis=2).split(d, -1)
+            mask = mask[:, :, step.start : step.stop]
+        return self._attend(query, key, value, mask[..., :width])
+
+    def _attend_partial(self, query, key, value, mask, cache, step: CPStep):
+        """One decode token: this rank's (output, log-sum-exp) over its keys, then the merge."""
+        b, h, _, d = query.shape
+        kv = self.num_kv_heads
+        keys, values, mask = step.decode_keys(cache, self.layer_idx, key, value, mask)
+        compute = query.dtype if query.dtype == torch.float64 else torch.float32
+        q = query.reshape(b, kv, h // kv, d).to(compute)
+        if keys is None:  # an empty slice: a zero output of zero weight
+            out = q.new_zeros(b, kv, h // kv, values.shape[-1] if values is not None else d)
+            lse = q.new_full((b, kv, h // kv, 1), torch.finfo(compute).min)
+        else:
+            scores = (q @ keys.to(compute).transpose(-1, -2)) * self.scale + mask.to(compute)
+            top = scores.amax(dim=-1, keepdim=True)
+            weights = (scores - top).exp()
+            total = weights.sum(dim=-1, keepdim=True)
+            out = (weights @ values.to(compute)) / total
+            lse = top + total.log()
+        return step.merge_attention(out, lse).to(query.dtype).reshape(b, h, 1, d)
 
     def _attend(self, query, key, value, mask):
         b, h, s, d = query.shape
@@ -195,10 +347,17 @@ def chunk_gated_delta_rule(query, key, value, decay, beta, state: Optional[torch
     decay (log space, <= 0) and beta (B, H, S); state (B, H, Dk, Dv) float32 or None.
     Returns the output (B, H, S, Dv) and the final state, both float32.
     The op order is HF's on purpose: float64 models run this in float32 as HF's do, and the
-    same float32 arithmetic is what makes them match HF bit for bit.
+    same float32 arithmetic is what makes them match HF bit for bit. It is two phases: the
+    per-chunk work (``_chunk_terms``, independent across chunks) and the scan over chunks
+    carrying the state (``_chunk_scan``); a context-parallel rank runs the first on its own
+    chunks and the second once the previous rank's final state has arrived.
     """
+    return _chunk_scan(_chunk_terms(query, key, value, decay, beta, chunk_size), state)
+
+
+def _chunk_terms(query, key, value, decay, beta, chunk_size: int = CHUNK_SIZE) -> dict:
+    """Everything of the chunked delta rule that does not depend on the incoming state."""
     b, h, s, dk = key.shape
-    dv = value.shape[-1]
     pad = (chunk_size - s % chunk_size) % chunk_size
     query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
     beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
@@ -217,20 +376,33 @@ def chunk_gated_delta_rule(query, key, value, decay, beta, state: Optional[torch
     decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
     new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    return {
+        "length": s,
+        "key_dim": dk,
+        "new_values": new_values,
+        "k_cumdecay": k_cumdecay,
+        "intra_chunk": intra_chunk,
+        "query": query * cum_decay.exp().unsqueeze(-1),
+        "key": key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1),
+        "chunk_decay": cum_decay[..., -1].exp()[..., None, None],
+    }
 
+
+def _chunk_scan(terms: dict, state: Optional[torch.Tensor]):
+    """The chunks in order, carrying the recurrent state: (output (B, H, S, Dv), final state)."""
+    new_values, k_cumdecay, intra_chunk = terms["new_values"], terms["k_cumdecay"], terms["intra_chunk"]
+    query, key, chunk_decay = terms["query"], terms["key"], terms["chunk_decay"]
+    b, h, n, _, dv = new_values.shape
     if state is None:
-        state = torch.zeros(b, h, dk, dv, dtype=new_values.dtype, device=new_values.device)
+        state = torch.zeros(b, h, terms["key_dim"], dv, dtype=new_values.dtype, device=new_values.device)
     else:
         state = state.to(new_values)
     out = torch.empty_like(new_values)
-    query = query * cum_decay.exp().unsqueeze(-1)
-    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
-    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
     for i in range(n):
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
         out[:, :, i] = query[:, :, i] @ state + intra_chunk[:, :, i] @ v_new
         state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(b, h, -1, dv)[:, :, :s]
+    out = out.reshape(b, h, -1, dv)[:, :, : terms["length"]]
     return out, state
 
 
@@ -282,7 +454,7 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.head_v_dim))
         self.out_proj = nn.Parameter(torch.empty(self.value_dim, config.hidden_size))
 
-    def forward(self, x, cache, prompt_mask):
+    def forward(self, x, cache, prompt_mask, cp_step: Optional[CPStep] = None):
         b, s, _ = x.shape
         if prompt_mask is not None:  # left padding contributes nothing to conv or recurrent state
             x = (x * prompt_mask[:, :, None]).to(x.dtype)
@@ -292,7 +464,11 @@ class GatedDeltaNet(nn.Module):
             recurrent_state = cache.recurrent_states.get(self.layer_idx)
 
         mixed, z = (x @ self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
-        mixed, conv_state = self._conv(mixed.transpose(1, 2), conv_state)
+        sharded = cp_step is not None and cp_step.sharded
+        if sharded:
+            mixed, conv_state = self._conv_context_parallel(mixed.transpose(1, 2), cp_step)
+        else:
+            mixed, conv_state = self._conv(mixed.transpose(1, 2), conv_state)
         query, key, value = mixed.transpose(1, 2).split(self.qkv_split, dim=-1)
         query = query.reshape(b, s, -1, self.head_k_dim)
         key = key.reshape(b, s, -1, self.head_k_dim)
@@ -300,7 +476,9 @@ class GatedDeltaNet(nn.Module):
         beta = (x @ self.in_proj_b).sigmoid()
         decay = self.neg_decay_rate * F.softplus((x @ self.in_proj_a).float() + self.dt_bias)
 
-        out, recurrent_state = self._delta_rule(query, key, value, decay, beta, recurrent_state)
+        out, recurrent_state = self._delta_rule(
+            query, key, value, decay, beta, recurrent_state, cp_step if sharded else None
+        )
         if cache is not None:
             cache.conv_states[self.layer_idx] = conv_state
             cache.recurrent_states[self.layer_idx] = recurrent_state
@@ -327,8 +505,31 @@ class GatedDeltaNet(nn.Module):
             history = full[..., -keep:]
         return F.silu(out), history.contiguous()
 
-    def _delta_rule(self, query, key, value, decay, beta, state):
-        """(B, S, H, D) inputs -> (B, S, Hv, Dv) output in the model dtype, new float32 state."""
+    def _conv_context_parallel(self, mixed: torch.Tensor, step: CPStep):
+        """The conv over this rank's slice (B, C, s) of a sharded prefill: the previous slice's last
+        K-1 pre-conv positions (the halo) come with one all-gather of every rank's last K-1, which
+        also gives every rank the whole prompt's conv state (the last K-1 positions overall)."""
+        keep = self.kernel_size - 1
+        tail = F.pad(mixed[..., -keep:], (max(keep - mixed.shape[-1], 0), 0))
+        tails = step.cp.gather(tail)
+        layout = step.layout
+        real = [t[..., keep - min(keep, layout.length_of(r)) :] for r, t in enumerate(tails)]
+        history = torch.cat(real, dim=-1)[..., -keep:]
+        history = F.pad(history, (keep - history.shape[-1], 0)).contiguous()
+        if step.rank == 0:
+            return self._conv(mixed, None)[0], history
+        # the slices before the last are whole chunks (>= K-1 positions): the halo is the previous one's
+        full = torch.cat([tails[step.rank - 1], mixed], dim=-1)
+        out = F.conv1d(full, self.conv_weight.unsqueeze(1), padding=keep, groups=self.conv_dim)
+        return F.silu(out[..., keep : keep + mixed.shape[-1]]), history
+
+    def _delta_rule(self, query, key, value, decay, beta, state, cp_step: Optional[CPStep] = None):
+        """(B, S, H, D) inputs -> (B, S, Hv, Dv) output in the model dtype, new float32 state.
+
+        In a sharded context-parallel prefill the state is relayed in rank order: rank r scans its
+        chunks from rank r-1's final state; after each rank's scan one all-gather hands its final
+        state on (the last one gives every rank the whole prompt's state, replicated for decode).
+        Every rank's slice starts on a chunk boundary, so each runs one device's chunks exactly."""
         dtype = query.dtype
         groups = self.num_v_heads // self.num_k_heads
         if groups > 1:  # each q/k head serves `groups` consecutive value heads
@@ -346,10 +547,24 @@ class GatedDeltaNet(nn.Module):
                 query[:, :, 0], key[:, :, 0], value[:, :, 0], decay[:, :, 0], beta[:, :, 0], state
             )
             out = out.unsqueeze(2)
+        elif cp_step is not None:
+            query = query * query.shape[-1] ** -0.5
+            out, state = self._relayed_chunks(_chunk_terms(query, key, value, decay, beta), cp_step)
         else:
             query = query * query.shape[-1] ** -0.5
             out, state = chunk_gated_delta_rule(query, key, value, decay, beta, state)
         return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state
+
+    @staticmethod
+    def _relayed_chunks(terms: dict, step: CPStep):
+        b, h, _, _, dv = terms["new_values"].shape
+        placeholder = terms["new_values"].new_zeros(b, h, terms["key_dim"], dv)
+        state, out = None, None
+        for turn in range(step.cp.plan.cp):
+            if turn == step.rank:
+                out, state = _chunk_scan(terms, state)
+            state = step.cp.gather(state if turn == step.rank else placeholder)[turn]
+        return out, state
 
 
 # ------------------------------------------------------------------------------------ MLP / MoE
@@ -444,12 +659,12 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, shard.mlp.intermediate)
         self.rank_sum = rank_sum
 
-    def forward(self, x, cos, sin, attention_mask, cache, prompt_mask):
+    def forward(self, x, cos, sin, attention_mask, cache, prompt_mask, cp_step=None):
         h = self.input_norm(x)
         if self.is_linear:
-            h = self.mixer(h, cache, prompt_mask)
+            h = self.mixer(h, cache, prompt_mask, cp_step)
         else:
-            h = self.mixer(h, cos, sin, attention_mask, cache)
+            h = self.mixer(h, cos, sin, attention_mask, cache, cp_step)
         x = x + self.rank_sum(h)
         return x + self.rank_sum(self.mlp(self.post_attention_norm(x)))
 
@@ -470,13 +685,21 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     supports_cache_object = True
 
-    def __init__(self, shard: ModelShard, group=None):
+    def __init__(self, shard: ModelShard, group=None, cp_plan: Optional[CPPlan] = None, cp_group=None):
         super().__init__()
         config, plan = shard.config, shard.plan
         self.config = config
         self.vocab_size = config.vocab_size
         self.tp_plan = plan
-        if plan.tp > 1:
+        self.tp_group = group
+        self.cp_plan = CPPlan.resolve(cp_plan)
+        self.context_parallel = ContextParallel(self.cp_plan, cp_group) if self.cp_plan.cp > 1 else None
+        if self.cp_plan.cp > 1:
+            # generate() checks inputs and agrees on tokens over every rank of the job (the tp x cp
+            # mesh); the logits are whole on every rank (vocab blocks gathered over the tp group here)
+            self.parallel_group = None
+            self.vocab_parallel = False
+        elif plan.tp > 1:
             self.parallel_group = group
             self.vocab_parallel = True
         self.vocab_start, rows = shard.vocab_start, shard.vocab_stop - shard.vocab_start
@@ -511,17 +734,47 @@ class Qwen3_5ForCausalLM(nn.Module):
             total = cache.max_length if cache is not None and cache.is_static else past + seq
             attention_mask = causal_mask(seq, past, total, self.dtype, input_ids.device)
         prompt_mask = cache.prompt_mask if cache is not None and past == 0 else None
+        step = None
+        if self.context_parallel is not None:
+            step = self._cp_step(cache, seq, past)
+            if step.sharded:  # this rank's slice of the positions; the mask keeps its global columns
+                input_ids, position_ids = input_ids[:, step.start : step.stop], position_ids[:, step.start : step.stop]
+                if prompt_mask is not None:
+                    prompt_mask = prompt_mask[:, step.start : step.stop]
 
         hidden = self._embed(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.inv_freq, hidden.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attention_mask, cache, prompt_mask)
-        if logits_to_keep:
+            hidden = layer(hidden, cos, sin, attention_mask, cache, prompt_mask, step)
+        if step is not None and step.sharded:
+            hidden = step.gather_rows(hidden, logits_to_keep)
+        elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return {"logits": hidden @ head}
+        logits = hidden @ head
+        if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
+            parts = [torch.empty_like(logits) for _ in range(self.tp_plan.tp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
+            logits = torch.cat(parts, dim=-1)[..., : self.vocab_size]
+        return {"logits": logits}
+
+    def _cp_step(self, cache, seq: int, past: int) -> CPStep:
+        """The layout of this forward: a new one at the prefill (kept on the cache for decode)."""
+        if past == 0:
+            layout = self.cp_plan.layout(seq)
+            if cache is not None:
+                cache.cp_layout = layout
+            return CPStep(self.context_parallel, layout, decode=False)
+        layout = getattr(cache, "cp_layout", None)
+        if layout is None or seq != 1:
+            raise ValueError(
+                f"a context-parallel model takes a prefill (an empty cache) or one token per row after it, got "
+                f"{seq} tokens after {past} cached positions"
+                + ("" if layout is not None else " in a cache it did not prefill")
+            )
+        return CPStep(self.context_parallel, layout, decode=True)
 
     def _embed(self, input_ids):
         if self.tp_plan.tp == 1:
@@ -644,13 +897,21 @@ def _moe_state(w: _Weights, s: MoEShard) -> dict:
 
 
 def load(
-    checkpoint: Checkpoint, dtype: str = "float32", device=None, plan: Optional[TPPlan] = None, group=None
+    checkpoint: Checkpoint,
+    dtype: str = "float32",
+    device=None,
+    plan: Optional[TPPlan] = None,
+    group=None,
+    cp_plan: Optional[CPPlan] = None,
 ) -> Qwen3_5ForCausalLM:
     """Build the model from an opened checkpoint (``hyper_gen.models.checkpoint.Checkpoint``).
 
     ``plan``: a ``TPPlan(tp, rank)`` to load this rank's tensor-parallel shard (None: the whole
     model); ``group``: the torch.distributed group of the ``tp`` ranks (None: the world group,
-    whose size and this process's rank must then be ``tp`` and ``plan.rank``)."""
+    whose size and this process's rank must then be ``tp`` and ``plan.rank``).
+    ``cp_plan``: a ``CPPlan(cp, rank)`` for context parallelism (``hyper_gen.parallel.cp_plan``):
+    the world is then the ``tp x cp`` mesh (``Mesh``: tp innermost), whose tp and cp subgroups are
+    made here (every rank must call this), unless ``group`` is given."""
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
     if str(device).startswith("npu") and not npu_available():
@@ -661,6 +922,10 @@ def load(
         raise ValueError(f"device {device!r} is not a torch device: {error}") from None
     config = Qwen3_5Config.from_dict(checkpoint.config)
     shard = describe(checkpoint, config, plan)  # every split checked, before any weight is read
+    cp_plan = CPPlan.resolve(cp_plan)
+    cp_group = None
+    if cp_plan.cp > 1:
+        group, cp_group = _mesh_groups(shard.plan, cp_plan, group)
     if shard.plan.tp > 1:
         _check_group(shard.plan, group)
     w = _Weights(checkpoint, TORCH_DTYPES[dtype], device)
@@ -682,7 +947,7 @@ def load(
         state.update({q + "mlp." + k: v for k, v in mlp.items()})
 
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(shard, group)
+        model = Qwen3_5ForCausalLM(shard, group, cp_plan, cp_group)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rope_theta).to(device)
     model.requires_grad_(False)
@@ -704,3 +969,36 @@ def _check_group(plan: TPPlan, group) -> None:
         raise ValueError(f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes")
     if rank != plan.rank:
         raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")
+
+
+def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
+    """(tp group, cp group) of this rank in the world's ``tp x cp`` mesh; None is the world group
+    (the one axis of a 1-D mesh). Every rank creates every subgroup, in the same order, as
+    torch.distributed requires."""
+    mesh = Mesh(plan.tp, cp_plan.cp)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"cp={cp_plan.cp} needs an initialised torch.distributed process group: launch {mesh.size} processes "
+            f"(torchrun --nproc_per_node {mesh.size}) and load with hyper_gen.load_model(..., cp={cp_plan.cp}), "
+            "which joins the job"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != mesh.size:
+        raise ValueError(f"tp={plan.tp} x cp={cp_plan.cp} = {mesh.size} ranks, but the world group has {world}")
+    if mesh.coordinates(rank) != (plan.rank, cp_plan.rank):
+        raise ValueError(
+            f"plan tp rank {plan.rank}, cp rank {cp_plan.rank} but this process is rank {rank}, which the mesh "
+            f"(tp innermost) places at tp rank, cp rank {mesh.coordinates(rank)}"
+        )
+    if plan.tp == 1:
+        return group, None
+    tp_group = cp_group = None
+    for ranks in mesh.tp_groups():
+        made = dist.new_group(ranks)
+        if rank in ranks:
+            tp_group = made
+    for ranks in mesh.cp_groups():
+        made = dist.new_group(ranks)
+        if rank in ranks:
+            cp_group = made
+    return (group if group is not None else tp_group), cp_group

@@ -1,0 +1,200 @@
+"""Context-parallel native torch Qwen3.5: CP=2 (and TP=2 x CP=2) under torchrun gives the
+single-device results.
+
+One 2-rank torchrun job (tests/dist_scripts/cp_torch.py, cp=2) and one 4-rank job (tp=2 x cp=2)
+run every multi-rank check on the tiny dense and MoE checkpoints, float32 and float64: model
+forwards (prefill of a left-padded batch of a 70- or 200-token row with a 3-token and a 17-token
+row, then teacher-forced decode steps) on static and dynamic caches, each rank's cache holding
+only its slice; generate() greedy / seeded / dynamic cache / use_cache=False / num_return_sequences
+on those batches and on prompts of 1, 65 and 129 tokens. The single-process tests cover the
+errors raised before any process group or weight is touched.
+"""
+
+import re
+
+import pytest
+from launch import script, torchrun
+from qwen_checkpoints import make_checkpoint
+
+from hyper_gen.models.loading import load_model
+
+CHECKPOINTS = {"dense": ("dense", {}), "moe": ("moe", {})}
+DTYPES = ("float32", "float64")
+WIDTHS = (70, 200)
+GENERATE_RUNS = [(name, width) for width in (70, 200, 1, 65, 129) for name in ("greedy", "seeded", "dynamic")] + [
+    ("recompute", 70),
+    ("repeated", 70),
+]
+LINE = re.compile(r"^rank (\d): (\w+) (\S+) (.*)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp_torch")
+    return {label: make_checkpoint(root, kind, **kwargs) for label, (kind, kwargs) in CHECKPOINTS.items()}
+
+
+def _job(paths, nproc, tp):
+    result = torchrun(
+        [script("cp_torch.py"), str(tp)] + [f"{label}={path}" for label, path in paths.items()],
+        nproc=nproc,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = {}
+    for rank, check, label, rest in LINE.findall(result.stdout):
+        width = re.match(r"width=(\d+) ", rest)
+        key = (int(rank), check, label, int(width.group(1)) if width else None)
+        lines[key] = rest
+    return lines, result.stdout, nproc
+
+
+@pytest.fixture(scope="module")
+def cp2(paths):
+    return _job(paths, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def tp2_cp2(paths):
+    return _job(paths, 4, 2)
+
+
+@pytest.fixture(params=["cp2", "tp2_cp2"])
+def job(request):
+    return request.getfixturevalue(request.param)
+
+
+def _line(job, rank, check, label, width=None):
+    lines, text, _ = job
+    key = (rank, check, label, width)
+    assert key in lines, f"no '{check} {label} width={width}' line from rank {rank}:\n{text[-3000:]}"
+    return lines[key]
+
+
+def _ranks(job):
+    return range(job[2])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", CHECKPOINTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cp_model_attributes(job, label, dtype):
+    world = job[2]
+    tp = world // 2
+    for rank in _ranks(job):
+        assert _line(job, rank, "attributes", f"{label}/{dtype}") == (
+            f"group=None vocab_parallel=False cp_plan=CPPlan(cp=2, rank={rank // tp}, chunk=64) "
+            f"tp_plan=TPPlan(tp={tp}, rank={rank % tp})"
+        )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("label", CHECKPOINTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cp_logits_match_single_device(job, label, dtype, width):
+    """Every position's prefill logits and every decode step's: float64 within 1e-9 (the chunked
+    delta rule runs one device's chunks from the relayed state, so it is exact), float32 within 1e-3."""
+    for rank in _ranks(job):
+        diff = float(re.match(r"width=\d+ maxdiff=(\S+)", _line(job, rank, "logits", f"{label}/{dtype}", width))[1])
+        print(f"CP=2 vs one device {label}/{dtype} width {width} rank {rank}: max abs logit diff {diff:.3e}")
+        assert diff <= (1e-9 if dtype == "float64" else 1e-3)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("label", CHECKPOINTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_rank_caches_only_its_slice(job, label, dtype, width):
+    """Rank 0 (cp) holds positions [0, 64) / [0, 128); the last rank the rest plus the decode tokens."""
+    tp = job[2] // 2
+    for rank in _ranks(job):
+        line = _line(job, rank, "kvshard", f"{label}/{dtype}", width)
+        assert "ok=True" in line, line
+        static_length = int(re.search(r"\('StaticCache', (\d+),", line)[1])
+        first = 64 if width == 70 else 128
+        assert static_length == (first if rank // tp == 0 else width - first + 4), line
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,width", GENERATE_RUNS)
+@pytest.mark.parametrize("label", CHECKPOINTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cp_generate_gives_single_device_tokens_on_every_rank(job, label, dtype, name, width):
+    tokens = set()
+    for rank in _ranks(job):
+        equal, rank_tokens = re.match(
+            r"width=\d+ equal=(\w+) tokens=(.*)", _line(job, rank, name, f"{label}/{dtype}", width)
+        ).groups()
+        assert equal == "True", f"rank {rank}: CP tokens differ from single-device ones: {rank_tokens}"
+        tokens.add(rank_tokens)
+    assert len(tokens) == 1
+
+
+@pytest.mark.distributed
+def test_mismatched_input_raises_on_every_rank_without_hanging(job):
+    _, text, world = job
+    for rank in range(world):
+        assert re.search(rf"rank {rank}: mismatch ValueError: .*different input_ids.*rank\(s\) \[1\]", text), text[
+            -3000:
+        ]
+    after = re.findall(r"rank (\d): after-mismatch tokens=(.*)", text)
+    assert len(after) == world and len({tokens for _, tokens in after}) == 1  # the ranks are still in step
+
+
+@pytest.mark.distributed
+def test_cp_other_than_the_world_size_is_a_clear_error(cp2):
+    _, text, _ = cp2
+    for rank in (0, 1):
+        assert f"rank {rank}: world ValueError: tp=1 x cp=4 needs 4 ranks but the job has 2" in text, text[-3000:]
+
+
+# ------------------------------------------------------------------------ single-process errors
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("cp", [0, -1, 2.0, "2", True, None])
+def test_bad_cp_values(paths, cp):
+    with pytest.raises(ValueError, match="cp must be an int >= 1"):
+        load_model(paths["dense"], backend="torch", cp=cp)
+
+
+def test_cp2_in_a_single_process_is_a_clear_error(paths, single_process):
+    with pytest.raises(ValueError, match=r"cp=2 needs 2 processes launched together \(torchrun --nproc_per_node 2"):
+        load_model(paths["dense"], backend="torch", cp=2)
+    with pytest.raises(ValueError, match=r"cp=2 needs 4 processes .*use cp=1 and tp=1 here"):
+        load_model(paths["dense"], backend="torch", tp=2, cp=2)
+
+
+def test_tp_that_does_not_divide_the_heads_fails_before_joining_a_cp_job(paths, single_process):
+    with pytest.raises(ValueError, match="tp=3 does not divide num_attention_heads=4"):
+        load_model(paths["dense"], backend="torch", tp=3, cp=2)
+
+
+def test_cp_model_refuses_a_multi_token_continuation(paths):
+    """The kernels' own load with a cp plan needs a process group; the forward contract is checked
+    on a model built without one (every collective is avoided by the replicated short prefill)."""
+    import torch
+
+    from hyper_gen.backends.torch.models import qwen3_5
+    from hyper_gen.backends.torch.ops import TorchOps
+    from hyper_gen.cache import DynamicCache
+    from hyper_gen.models.checkpoint import Checkpoint
+    from hyper_gen.parallel.cp_plan import CPPlan
+
+    with pytest.raises(ValueError, match="cp=2 needs an initialised torch.distributed process group"):
+        qwen3_5.load(Checkpoint(paths["dense"]), "float32", cp_plan=CPPlan(2, 0))
+    model = qwen3_5.load(Checkpoint(paths["dense"]), "float32")
+    model.context_parallel = qwen3_5.ContextParallel(CPPlan(2, 0))
+    model.cp_plan = model.context_parallel.plan
+    cache = DynamicCache(TorchOps("cpu"), 1, 8)
+    with torch.no_grad():
+        model(torch.tensor([[3, 4]]), past_key_values=cache)  # a 2-token prompt: replicated, no collective
+        cache.advance(2)
+        with pytest.raises(ValueError, match="one token per row after it, got 2 tokens after 2 cached positions"):
+            model(torch.tensor([[5, 6]]), past_key_values=cache)
