@@ -6,8 +6,15 @@
 - ``models``: native ``load_model`` (torch, MindSpore) vs HF generate on one checkpoint shape:
   prefill latency, decode tokens/s and the fraction of the memory-bandwidth roofline.
 - ``tp``: TP=2 vs TP=1 under torchrun / msrun, with the bytes moved through collectives.
+- ``cp``: CP=2 vs CP=1 under torchrun / msrun on a long prompt (2048 tokens): prefill latency,
+  decode tokens/s and the KV-cache + state bytes each rank holds.
+- ``rollout``: under torchrun, a 2-rank FSDP2 rollout (prompts x n samples, spread EOS): hyper_gen
+  step-synced (with and without ``unshard_params``) vs the fixed-iteration no-cache workaround vs HF
+  generate ``synced_gpus=True``: useful tokens/s and the time share in collectives.
+- ``serve``: the HTTP server under 1 / 8 / 32 concurrent streaming clients (tokens/s, time to
+  first token p50 / p99) vs the same requests as sequential ``generate`` calls and one batch.
 
-Run: ``hyper-gen bench [loop|hf|models|tp] ...`` or ``python -m hyper_gen.bench ...``.
+Run: ``hyper-gen bench [loop|hf|models|tp|serve|rollout] ...`` or ``python -m hyper_gen.bench ...``.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ def main(argv=None):
     models.add_argument("--backends", default="torch,mindspore")
     models.add_argument("--batch", type=int, default=1)
     models.add_argument("--prompt-len", type=int, default=32)
+    models.add_argument(
+        "--min-prompt-len", type=int, default=0, help="shortest prompt: mixed lengths, left-padded (0: all equal)"
+    )
     models.add_argument("--new-tokens", type=int, default=16)
     models.add_argument("--repeats", type=int, default=2)
     models.add_argument("--threads", type=int, default=0)
@@ -52,11 +62,45 @@ def main(argv=None):
     tp.add_argument("--new-tokens", type=int, default=16)
     tp.add_argument("--repeats", type=int, default=2)
     tp.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
+    cp = sub.add_parser("cp", help="CP=2 vs CP=1 on a long prompt under torchrun / msrun, with KV bytes per rank")
+    cp.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
+    cp.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
+    cp.add_argument("--batch", type=int, default=1)
+    cp.add_argument("--prompt-len", type=int, default=2048)
+    cp.add_argument("--new-tokens", type=int, default=16)
+    cp.add_argument("--repeats", type=int, default=2)
+    cp.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
+    rollout = sub.add_parser("rollout", help="2-rank FSDP2 rollout: hyper_gen step-synced vs workaround vs HF")
+    rollout.add_argument("--hidden", type=int, default=256)
+    rollout.add_argument("--layers", type=int, default=4)
+    rollout.add_argument("--vocab", type=int, default=8192)
+    rollout.add_argument("--prompts", type=int, default=4, help="prompts per rank")
+    rollout.add_argument("--samples", type=int, default=4, help="samples per prompt (num_return_sequences)")
+    rollout.add_argument("--prompt-len", type=int, default=32)
+    rollout.add_argument("--new-tokens", type=int, default=64)
+    rollout.add_argument("--repeats", type=int, default=1)
+    rollout.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    rollout.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    from .serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
-    if args.which == "tp":
+    if args.which == "serve":
+        from .serve import run_serve_bench
+
+        run_serve_bench(args)
+    elif args.which == "rollout":
+        from .rollout import run_rollout
+
+        run_rollout(args)
+    elif args.which == "tp":
         from .tp import run_tp
 
         run_tp(args)
+    elif args.which == "cp":
+        from .cp import run_cp
+
+        run_cp(args)
     elif args.which == "hf":
         from .hf import run_hf
 

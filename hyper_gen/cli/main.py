@@ -16,6 +16,7 @@ from hyper_gen.parallel.launcher import launched_multi_rank, shutdown_distribute
 from .chat import run_chat
 from .common import Interrupted, UsageError, add_model_flags, add_sampling_flags
 from .generate import run_generate
+from .serve import add_serve_flags, run_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,13 +27,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--input", help='JSONL file with {"id": ..., "prompt": ...} per line')
     gen.add_argument("--output", help="JSONL file to append results to (resumable)")
-    gen.add_argument("--batch-size", type=int, default=8, help="prompts per batch (default: %(default)s)")
+    gen.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default: %(default)s)")
+    gen.add_argument(
+        "--batching",
+        choices=("inflight", "fixed"),
+        default="inflight",
+        help="JSONL jobs: refill finished rows at every step (inflight, default) or run fixed micro-batches",
+    )
     gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     add_model_flags(gen)
     add_sampling_flags(gen)
     chat = sub.add_parser("chat", help="interactive streaming chat (rank 0 reads stdin)")
     add_model_flags(chat)
     add_sampling_flags(chat, max_new_tokens=128)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_serve_flags(serve)
     sub.add_parser("bench", help="benchmarks against HF generate and the roofline", add_help=False)
     return parser
 
@@ -59,6 +68,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
         return run_chat(args)
     except UsageError as exc:
         print(f"hyper-gen: error: {exc}", file=sys.stderr)

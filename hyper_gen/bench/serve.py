@@ -1,0 +1,243 @@
+"""``hyper-gen bench serve``: the HTTP server under 1, 8 and 32 concurrent streaming clients, next
+to the same requests run as sequential ``generate`` calls and as one static left-padded batch.
+
+One real server (``python -m hyper_gen serve``, its own process) on the bundled demo model by
+default; each client (a thread, plain ``http.client``) sends its share of the requests one
+after another and reads the server-sent events. Every request asks for exactly
+``--max-tokens`` tokens (``ignore_eos``), so every row generates the same work. Reported:
+completion tokens/s over the wall time, and time to first token (from sending the request to
+its first text) p50 / p99. ``generate`` rows: the sequential calls' TTFT is each call's own
+prefill (no queueing), the static batch's is its one prefill. Then the offline JSONL comparison
+(in-flight batching vs fixed micro-batches), where ``hyper_gen.bench.offline`` provides it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from typing import List
+
+import numpy as np
+
+from hyper_gen.config import GenerationConfig
+from hyper_gen.demo import demo_model_path
+from hyper_gen.demo.task import prompt_for
+from hyper_gen.generation import generate
+
+from .host import describe_host
+
+READY = re.compile(r"hyper-gen serve: http://([^:/\s]+):(\d+)/v1 ")
+
+
+def host_line() -> str:
+    """The host (CPU model, ISA extensions, cores) and this process's torch threads."""
+    try:
+        import torch
+
+        threads = torch.get_num_threads()
+    except ImportError:
+        threads = None
+    return describe_host(threads)
+
+
+def _prompts(count: int, seed: int = 0) -> List[str]:
+    rng = np.random.default_rng(seed)
+    return [prompt_for("".join(rng.choice(list("0123456789"), int(rng.integers(2, 9))))) for _ in range(count)]
+
+
+class _ServerProcess:
+    def __init__(self, args):
+        cmd = [sys.executable, "-m", "hyper_gen", "serve", "--backend", args.backend, "--port", "0"]
+        cmd += ["--max-batch-size", str(args.max_batch_size), "--served-model-name", "bench"]
+        if args.model:
+            cmd += ["--model", args.model]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: List[str] = []
+        ready = threading.Event()
+        self.address = None
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                match = READY.search(line)
+                if match and self.address is None:
+                    self.address = (match.group(1), int(match.group(2)))
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(300)
+        if self.address is None:
+            self.stop()
+            raise SystemExit("hyper-gen bench serve: the server did not start:\n" + "".join(self.lines))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _stream_one(address, prompt: str, max_tokens: int):
+    """(seconds to the first text, seconds to the end, completion tokens) of one streamed request."""
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    conn = http.client.HTTPConnection(*address, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    first, tokens = None, 0
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:].strip()
+        if payload == b"[DONE]":
+            break
+        event = json.loads(payload)
+        if event.get("choices") and event["choices"][0].get("text") and first is None:
+            first = time.perf_counter() - start
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    conn.close()
+    return first if first is not None else time.perf_counter() - start, time.perf_counter() - start, tokens
+
+
+def _against_server(address, prompts, max_tokens: int, concurrency: int):
+    """(tokens/s, TTFTs) of ``prompts`` sent by ``concurrency`` clients, each one at a time."""
+    results, lock, errors = [], threading.Lock(), []
+    queue = list(enumerate(prompts))
+
+    def client():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                _, prompt = queue.pop(0)
+            try:
+                got = _stream_one(address, prompt, max_tokens)
+            except Exception as exc:  # reported below
+                errors.append(exc)
+                return
+            with lock:
+                results.append(got)
+
+    _stream_one(address, prompts[0], 2)  # warm-up
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return sum(r[2] for r in results) / wall, [r[0] for r in results]
+
+
+def _against_generate(model, tokenizer, prompts, max_tokens: int, batched: bool):
+    config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+    groups = [prompts] if batched else [[p] for p in prompts]
+    generate(
+        model,
+        tokenizer(prompts[:1], return_tensors="np")["input_ids"],
+        config.replace(max_new_tokens=2, min_new_tokens=2),
+    )
+    ttfts, tokens = [], 0
+    start = time.perf_counter()
+    for group in groups:
+        batch = tokenizer(group, padding=True, return_tensors="np")
+        began, first = time.perf_counter(), []
+
+        def on_tokens(step, token_ids, finished, first=first, began=began):
+            if not first:
+                first.append(time.perf_counter() - began)
+
+        generate(model, batch["input_ids"], config, attention_mask=batch["attention_mask"], on_tokens=on_tokens)
+        ttfts += first * len(group)
+        tokens += max_tokens * len(group)
+    return tokens / (time.perf_counter() - start), ttfts
+
+
+def _row(name: str, rate: float, ttfts) -> str:
+    p50, p99 = (np.percentile(np.asarray(ttfts) * 1e3, q) for q in (50, 99))
+    return f"  {name:34s}{rate:12.1f}{p50:12.1f}{p99:12.1f}"
+
+
+def _offline(args) -> None:
+    try:
+        offline = importlib.import_module("hyper_gen.bench.offline")
+    except ImportError:
+        print("offline JSONL comparison: hyper_gen.bench.offline is not there yet (skipped)")
+        return
+    run = getattr(offline, "run_offline_comparison", None)
+    if run is None:
+        print("offline JSONL comparison: hyper_gen.bench.offline has no run_offline_comparison (skipped)")
+        return
+    result = run(args.model, backend=args.backend)
+    if result is not None:
+        print(result)
+
+
+def run_serve_bench(args) -> None:
+    from hyper_gen.cli.common import load_tokenizer
+    from hyper_gen.models.loading import load_model
+
+    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    prompts = _prompts(args.requests)
+    print(host_line())
+    print(
+        f"{args.model or 'demo model'}, {args.backend}, {args.requests} requests of "
+        f"{args.max_tokens} tokens each (ignore_eos), "
+        f"prompts of {min(map(len, prompts))}-{max(map(len, prompts))} characters, server --max-batch-size "
+        f"{args.max_batch_size}"
+    )
+    server = _ServerProcess(args)
+    try:
+        rows = [
+            (f"server, {c} concurrent client{'s' if c > 1 else ''}",)
+            + _against_server(server.address, prompts, args.max_tokens, c)
+            for c in levels
+        ]
+    finally:
+        server.stop()
+    path = args.model or demo_model_path()
+    model = load_model(path, backend=args.backend)
+    tokenizer = load_tokenizer(path)
+    rows.append(("generate, sequential calls",) + _against_generate(model, tokenizer, prompts, args.max_tokens, False))
+    rows.append(
+        (f"generate, one static batch of {len(prompts)}",)
+        + _against_generate(model, tokenizer, prompts, args.max_tokens, True)
+    )
+    print(f"  {'':34s}{'tokens/s':>12s}{'TTFT p50 ms':>12s}{'TTFT p99 ms':>12s}")
+    for name, rate, ttfts in rows:
+        print(_row(name, rate, ttfts))
+    if not args.skip_offline:
+        _offline(args)
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="the HTTP server at 1/8/32 clients vs sequential and batched generate")
+    serve.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
+    serve.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    serve.add_argument("--requests", type=int, default=64)
+    serve.add_argument("--max-tokens", type=int, default=32)
+    serve.add_argument("--concurrency", default="1,8,32")
+    serve.add_argument("--max-batch-size", type=int, default=32)
+    serve.add_argument("--skip-offline", action="store_true", help="leave out the offline JSONL comparison")

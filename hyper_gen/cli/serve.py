@@ -1,0 +1,102 @@
+"""``hyper-gen serve``: the OpenAI-compatible HTTP server on the in-flight batching engine.
+
+The port is bound before the model loads (a port in use is a one-line error, exit 2, at once).
+Under torchrun / msrun rank 0 listens and every other rank follows rank 0's engine steps; all
+ranks exit 0 when rank 0 is stopped (SIGINT / SIGTERM).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from hyper_gen.parallel.launcher import launched_multi_rank
+
+from .common import UsageError, add_model_flags, load_everything, rank
+
+DEMO_NAME = "hyper_gen-demo"
+
+
+def add_serve_flags(parser) -> None:
+    add_model_flags(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to listen on; 0 = any free one (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-batch-size", type=int, default=32, help="requests decoded together at most (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + completion tokens at most (default: the model's context)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"the name clients pass as 'model' (default: the --model value, or {DEMO_NAME!r})",
+    )
+
+
+def _check_flags(args) -> None:
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"hyper-gen serve needs {' and '.join(missing)}: pip install 'hyper_gen[serve]'")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_batch_size < 1:
+        raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name must not be empty")
+
+
+def _bind(args):
+    from hyper_gen.server.launch import bind
+
+    try:
+        return bind(args.host, args.port)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+
+
+def run_serve(args) -> int:
+    _check_flags(args)
+    # one process: bound before the model loads, so a taken port fails at once; a multi-rank job
+    # knows which rank is 0 once it has joined (load_everything)
+    sock = None if launched_multi_rank() else _bind(args)
+    try:
+        model, tokenizer, _ = load_everything(args)
+        if sock is None and rank(args.backend) == 0:
+            sock = _bind(args)
+        from hyper_gen.engine import Engine
+        from hyper_gen.server.launch import follow, serve
+
+        try:
+            engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+        if rank(args.backend) != 0:
+            follow(engine)
+            return 0
+        engine.start()
+        name = args.served_model_name or args.model or DEMO_NAME
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+
+        def started():
+            print(
+                f"hyper-gen serve: http://{shown}:{port}/v1 serving {name!r} ({args.backend}, tp {args.tp}, "
+                f"max batch {args.max_batch_size}); Ctrl-C stops",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        serve(engine, tokenizer, name, sock, log_level="info" if args.verbose else "warning", on_started=started)
+        print("hyper-gen serve: stopped", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if sock is not None:
+            sock.close()

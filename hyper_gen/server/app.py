@@ -1,0 +1,50 @@
+"""The FastAPI app: OpenAI's endpoints on one running :class:`hyper_gen.engine.Engine`.
+
+``create_app(engine, tokenizer, model_name)`` only routes; the engine is started and shut down
+by whoever owns it (``hyper_gen.server.launch``, a test). Endpoints: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from hyper_gen import __version__
+
+from . import errors
+from .chat import create_chat_completion
+from .completions import create_completion
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .state import ServerState
+
+
+def create_app(engine, tokenizer, model_name: str, max_model_len: Optional[int] = None) -> FastAPI:
+    state = ServerState(engine, tokenizer, model_name, max_model_len)
+    app = FastAPI(title="hyper_gen", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.hyper_gen = state
+    errors.install(app)
+
+    @app.get("/health")
+    async def health():
+        """{"status": "ok", "running": requests admitted, "waiting": queued}; 503 once the engine stopped."""
+        if not getattr(engine, "alive", True):
+            return JSONResponse({"status": "engine stopped", **state.load()}, status_code=503)
+        return {"status": "ok", **state.load()}
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=model_name, created=state.created, max_model_len=state.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, http_request: Request):
+        return await create_completion(state, request, http_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
+        return await create_chat_completion(state, request, http_request)
+
+    return app

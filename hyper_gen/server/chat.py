@@ -1,0 +1,99 @@
+"""``POST /v1/chat/completions``: the messages through the checkpoint's chat template, n replies,
+whole or streamed (each choice's first chunk carries ``role: "assistant"``, as OpenAI's do)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .errors import APIError
+from .params import sampling_params
+from .prompts import chat_prompt
+from .protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    Usage,
+)
+from .state import ServerState, new_id, watch_disconnect
+from .streams import DONE, EventStream, sse
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, http_request):
+    state.check_model(request.model)
+    ids = chat_prompt(request, state.tokenizer, state.vocab_size)
+    max_tokens = request.max_completion_tokens or request.max_tokens or state.default_max_tokens([ids])
+    params = sampling_params(request, max_tokens)
+    requests = state.submit([ids], params, "messages")
+    head = dict(id=new_id("chatcmpl"), created=int(time.time()), model=state.model_name)
+    if request.stream:
+        return EventStream(_events(state, request, requests, head, len(ids)), requests)
+
+    watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
+    texts, reasons, logprobs, generated = {}, {}, {}, 0
+    try:
+        async for _, chunk in requests.chunks():
+            texts[chunk.index] = texts.get(chunk.index, "") + (chunk.text or "")
+            generated += len(chunk.token_ids)
+            if request.logprobs:
+                logprobs.setdefault(chunk.index, ChatLogprobs(content=[])).content += state.tokens.chat(
+                    chunk.logprobs
+                ).content
+            if chunk.finished:
+                reasons[chunk.index] = chunk.finish_reason
+    except Exception as exc:
+        requests.cancel()
+        raise APIError(f"generation failed: {exc}", status=500) from exc
+    finally:
+        watcher.cancel()
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=texts.get(i, "")),
+            logprobs=logprobs.get(i, ChatLogprobs(content=[])) if request.logprobs else None,
+            finish_reason=reasons.get(i),
+        )
+        for i in range(request.n)
+    ]
+    return ChatCompletionResponse(**head, choices=choices, usage=_usage(len(ids), generated))
+
+
+async def _events(state, request, requests, head, prompt_tokens):
+    options = request.stream_options
+    usage_each = bool(options and options.continuous_usage_stats)
+    generated = 0
+    try:
+        for i in range(request.n):
+            first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            yield sse(
+                ChatCompletionChunk(**head, choices=[first], usage=_usage(prompt_tokens, 0) if usage_each else None)
+            )
+        async for _, chunk in requests.chunks():
+            generated += len(chunk.token_ids)
+            logprobs = state.tokens.chat(chunk.logprobs) if request.logprobs and chunk.logprobs else None
+            if not (chunk.text or chunk.finished or logprobs):
+                continue
+            choice = ChatChunkChoice(
+                index=chunk.index,
+                delta=DeltaMessage(content=chunk.text or None),
+                logprobs=logprobs,
+                finish_reason=chunk.finish_reason if chunk.finished else None,
+            )
+            usage = _usage(prompt_tokens, generated) if usage_each else None
+            yield sse(ChatCompletionChunk(**head, choices=[choice], usage=usage))
+        if options and options.include_usage:
+            yield sse(ChatCompletionChunk(**head, choices=[], usage=_usage(prompt_tokens, generated)))
+    except Exception as exc:  # the response has started: the error goes in the stream
+        yield sse(APIError(f"generation failed: {exc}", status=500).response_body())
+    yield DONE

@@ -1,0 +1,91 @@
+"""``POST /v1/completions``: one or more prompts, n choices each, whole or streamed.
+
+Choice ``i * n + j`` is prompt ``i``'s ``j``-th sample (as vLLM numbers them). Usage counts each
+prompt once and every generated token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .errors import APIError
+from .logprobs import merge_completion
+from .params import sampling_params
+from .prompts import completion_prompts
+from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from .state import ServerState, new_id, watch_disconnect
+from .streams import DONE, EventStream, sse
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+async def create_completion(state: ServerState, request: CompletionRequest, http_request):
+    state.check_model(request.model)
+    prompts = completion_prompts(request, state.tokenizer, state.vocab_size)
+    max_tokens = request.max_tokens if request.max_tokens is not None else state.default_max_tokens(prompts)
+    params = sampling_params(request, max_tokens)
+    requests = state.submit(prompts, params, "prompt")
+    head = dict(id=new_id("cmpl"), created=int(time.time()), model=state.model_name)
+    prompt_tokens = sum(len(p) for p in prompts)
+    want_logprobs = request.logprobs is not None
+    if request.stream:
+        return EventStream(_events(state, request, requests, head, prompt_tokens, want_logprobs), requests)
+
+    watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
+    choices, offsets, generated = {}, {}, 0
+    try:
+        async for i, chunk in requests.chunks():
+            index = i * request.n + chunk.index
+            choice = choices.setdefault(index, CompletionChoice(index=index, text=""))
+            choice.text += chunk.text or ""
+            generated += len(chunk.token_ids)
+            if want_logprobs:
+                more = state.tokens.completion(chunk.logprobs, offsets.get(index, 0))
+                offsets[index] = (more.text_offset[-1] + len(more.tokens[-1])) if more.tokens else offsets.get(index, 0)
+                if choice.logprobs is None:
+                    choice.logprobs = more
+                else:
+                    merge_completion(choice.logprobs, more)
+            if chunk.finished:
+                choice.finish_reason = chunk.finish_reason
+    except Exception as exc:
+        requests.cancel()
+        raise APIError(f"generation failed: {exc}", status=500) from exc
+    finally:
+        watcher.cancel()
+    ordered = [choices[k] for k in sorted(choices)]
+    return CompletionResponse(**head, choices=ordered, usage=_usage(prompt_tokens, generated))
+
+
+async def _events(state, request, requests, head, prompt_tokens, want_logprobs):
+    options = request.stream_options
+    usage_each = bool(options and options.continuous_usage_stats)
+    offsets, generated = {}, 0
+    try:
+        async for i, chunk in requests.chunks():
+            index = i * request.n + chunk.index
+            generated += len(chunk.token_ids)
+            logprobs = None
+            if want_logprobs and chunk.logprobs:
+                logprobs = state.tokens.completion(chunk.logprobs, offsets.get(index, 0))
+                offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            if not (chunk.text or chunk.finished or logprobs):
+                continue
+            choice = CompletionChoice(
+                index=index,
+                text=chunk.text or "",
+                logprobs=logprobs,
+                finish_reason=chunk.finish_reason if chunk.finished else None,
+            )
+            usage = _usage(prompt_tokens, generated) if usage_each else None
+            yield sse(CompletionResponse(**head, choices=[choice], usage=usage))
+        if options and options.include_usage:
+            yield sse(CompletionResponse(**head, choices=[], usage=_usage(prompt_tokens, generated)))
+    except Exception as exc:  # the response has started: the error goes in the stream
+        yield sse(APIError(f"generation failed: {exc}", status=500).response_body())
+    yield DONE

@@ -1,0 +1,140 @@
+"""Running the server: uvicorn on rank 0, the engine's follower loop on every other rank.
+
+SIGINT / SIGTERM stop uvicorn gracefully (in-flight responses get ``GRACE_S`` seconds, then are
+cancelled, which frees their slots), then the engine shuts down, which on a multi-rank job
+releases the followers; the process then returns normally (exit status 0) instead of dying by the
+signal uvicorn would otherwise re-raise. Ranks other than 0 ignore both signals (a launcher or a
+terminal sends them to every rank) and leave when rank 0's engine stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+from typing import Callable, Optional
+
+import uvicorn
+
+from .app import create_app
+
+GRACE_S = 5.0
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling us when it listens and not re-raising the signal that stopped it."""
+
+    def __init__(self, config, on_started: Optional[Callable[[], None]] = None):
+        super().__init__(config)
+        self.on_started = on_started
+        self.stopped_by: Optional[int] = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        self.stopped_by = self.stopped_by or sig
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on host:port (port 0: any free port); OSError if it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    engine,
+    tokenizer,
+    model_name: str,
+    sock: socket.socket,
+    *,
+    log_level: str = "warning",
+    on_started: Optional[Callable[[], None]] = None,
+    grace_s: float = GRACE_S,
+) -> Optional[int]:
+    """Serve the OpenAI endpoints on ``sock`` until SIGINT / SIGTERM; the signal that stopped it.
+
+    The engine is started by the caller and shut down here, whatever ends the server."""
+    app = create_app(engine, tokenizer, model_name)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=log_level in ("debug", "info"),
+        timeout_graceful_shutdown=grace_s,
+        lifespan="off",
+    )
+    server = _Server(config, on_started=on_started)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
+    return server.stopped_by
+
+
+def follow(engine) -> None:
+    """A rank > 0: compute rank 0's steps until rank 0's engine shuts down; signals are rank 0's."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    engine.run_follower()
+
+
+class BackgroundServer:
+    """The server on a thread of this process, for a program that keeps its model (an RLHF job
+    serving the policy it trains, a notebook, a test): ``url`` once it listens; ``stop()`` (or
+    leaving the ``with`` block) stops it. The engine stays the caller's to start and shut down."""
+
+    def __init__(self, engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 0, timeout_s=60.0):
+        self._sock = bind(host, port)
+        address = self._sock.getsockname()
+        self.url = f"http://{f'[{address[0]}]' if ':' in address[0] else address[0]}:{address[1]}"
+        app = create_app(engine, tokenizer, model_name)
+        self._server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="hyper_gen-server", daemon=True
+        )
+        self._thread.start()
+        deadline = threading.Event()
+        for _ in range(int(timeout_s / 0.02)):
+            if self._server.started or not self._thread.is_alive():
+                break
+            deadline.wait(0.02)
+        if not self._server.started:
+            self.stop()
+            raise RuntimeError(f"the server on {self.url} did not start")
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

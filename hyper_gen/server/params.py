@@ -1,0 +1,84 @@
+"""A request's sampling parameters as the engine's ``SamplingParams``, or a 400 naming the field.
+
+OpenAI's parameters the engine has no equivalent for are accepted at their defaults only
+(``presence_penalty`` / ``frequency_penalty`` 0, an empty ``logit_bias``, ``echo`` false, no
+``suffix``, ``best_of`` equal to ``n``), so a client is told instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hyper_gen.engine import SamplingParams
+
+from .errors import bad_value
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+# SamplingParams field -> the request parameter that sets it (chat overrides a few)
+_PARAM_OF_FIELD = {
+    "n": "n",
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "seed": "seed",
+    "stop_token_ids": "stop_token_ids",
+    "stop": "stop",
+    "ignore_eos": "ignore_eos",
+    "logprobs": "logprobs",
+    "min_tokens": "min_tokens",
+}
+
+
+def _check_unsupported(request) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value not in (None, 0, 0.0):
+            raise bad_value(name, f"{name} is not supported (only 0), got {value!r}; use repetition_penalty")
+    if request.logit_bias:
+        raise bad_value("logit_bias", "logit_bias is not supported")
+    if request.stream_options is not None and not request.stream:
+        raise bad_value("stream_options", "stream_options is only allowed when stream is true")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise bad_value("echo", "echo is not supported (only false)")
+        if request.suffix:
+            raise bad_value("suffix", "suffix is not supported")
+        if request.best_of not in (None, request.n):
+            raise bad_value("best_of", f"best_of must equal n ({request.n}) when given, got {request.best_of}")
+
+
+def field_named(message: str, fields) -> str:
+    """The first SamplingParams field the engine's error message names."""
+    found = [(m.start(), name) for name in fields for m in [re.search(rf"\b{re.escape(name)}\b", message)] if m]
+    return min(found)[1] if found else ""
+
+
+def sampling_params(request, max_tokens: int, context=None) -> SamplingParams:
+    """SamplingParams for ``request`` (completions or chat) generating at most ``max_tokens``."""
+    _check_unsupported(request)
+    params = {"n": request.n, "max_tokens": max_tokens, "ignore_eos": request.ignore_eos}
+    params["min_tokens"] = request.min_tokens
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids"):
+        value = getattr(request, name)
+        if value is not None:
+            params[name] = value
+    if request.stop:
+        params["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+    names = dict(_PARAM_OF_FIELD)
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_value("top_logprobs", "top_logprobs needs logprobs: true")
+        if request.logprobs:
+            params["logprobs"] = request.top_logprobs or 0
+        names["logprobs"] = "top_logprobs"
+        names["max_tokens"] = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    elif request.logprobs is not None:
+        params["logprobs"] = request.logprobs
+    try:
+        return SamplingParams(**params)
+    except (TypeError, ValueError) as exc:
+        field = field_named(str(exc), names)
+        raise bad_value(names.get(field, field) or None, str(exc)) from None

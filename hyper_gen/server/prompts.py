@@ -1,0 +1,56 @@
+"""Prompt token ids from a request: completions' ``prompt`` (text, token ids, or a list of
+either) and chat's ``messages`` through the checkpoint's chat template.
+
+Text prompts are encoded as vLLM does: completions with the tokenizer's special tokens (a BOS
+where the checkpoint wants one), chat without (the template writes its own).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from .errors import bad_value
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _check_ids(ids, vocab_size, param: str) -> List[int]:
+    if not ids:
+        raise bad_value(param, f"{param} is empty: nothing to complete")
+    if vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_value(param, f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return list(ids)
+
+
+def completion_prompts(request: CompletionRequest, tokenizer, vocab_size=None) -> List[List[int]]:
+    """One list of token ids per prompt of the request."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_value("prompt", "prompt is empty: nothing to complete")
+    out = []
+    for item in prompts:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise bad_value("prompt", "this server has no tokenizer: send token ids")
+            item = tokenizer.encode(item, add_special_tokens=True)
+        out.append(_check_ids(item, vocab_size, "prompt"))
+    return out
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer, vocab_size=None) -> List[int]:
+    """The conversation through the checkpoint's chat template, ending where the assistant speaks."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad_value("messages", "this model has no chat template: use /v1/completions")
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template's own raise_exception() and jinja errors
+        raise bad_value("messages", f"the chat template rejected the messages: {exc}") from None
+    return _check_ids(tokenizer.encode(text, add_special_tokens=False), vocab_size, "messages")

@@ -1,0 +1,195 @@
+"""The OpenAI API's request and response bodies, with OpenAI's field names (and vLLM's extras).
+
+Requests forbid unknown fields, so a misspelt parameter is a 400 naming it rather than a silent
+default. Value checks that pydantic can state (``max_tokens >= 1``, ``temperature >= 0``) live
+on the fields, so their 400s name the parameter too; the engine's ``SamplingParams`` checks the
+rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """What completions and chat share: OpenAI's sampling parameters and vLLM's extras."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, List[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None  # accepted at 0 only (OpenAI's default)
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[str, float]] = None  # accepted empty only
+    user: Optional[str] = None
+    # vLLM's extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[List[int]] = None
+    min_tokens: int = Field(0, ge=0)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # tool_calls, refusal, ...: not for the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[ContentPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: List[str] = []
+    token_logprobs: List[float] = []
+    top_logprobs: List[Dict[str, float]] = []
+    text_offset: List[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[List[TokenLogprob]] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: List[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: List[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "hyper_gen"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: List[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Any] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,84 @@
+"""What every endpoint shares: the engine, the tokenizer, the served model's name and limits,
+and submitting a request's prompts (a prompt the engine rejects is a 400, nothing queued)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import List, Optional
+
+from hyper_gen.inputs import ModelLimits
+
+from .errors import APIError, bad_value, unknown_model
+from .logprobs import TokenStrings
+from .params import field_named
+from .streams import Requests
+
+DEFAULT_CHAT_MAX_TOKENS = 256  # a chat request without max_tokens on a model that declares no context
+
+
+class ServerState:
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: Optional[int] = None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        model = getattr(engine, "model", None)
+        limits = ModelLimits.of(model) if model is not None else None
+        self.max_model_len = max_model_len or getattr(engine, "max_model_len", None) or (limits and limits.context)
+        self.vocab_size = limits.vocab_size if limits is not None else None
+        self.tokens = TokenStrings(tokenizer)
+        self.created = int(time.time())
+
+    def load(self) -> dict:
+        """How busy the engine is: requests admitted and not yet closed, requests queued.
+
+        The engine has no public counters yet: read its bookkeeping, where it is there."""
+        engine, out = self.engine, {}
+        for key, name in (("running", "_live"), ("waiting", "_waiting")):
+            value = getattr(engine, name, None)
+            if value is not None:
+                out[key] = len(value)
+        return out
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise unknown_model(name, self.model_name)
+
+    def default_max_tokens(self, prompts: List[List[int]]) -> int:
+        """Chat without max_tokens: up to the context, as vLLM does."""
+        if self.max_model_len is None:
+            return DEFAULT_CHAT_MAX_TOKENS
+        room = self.max_model_len - max(len(p) for p in prompts)
+        if room < 1:
+            raise bad_value("messages", f"the prompt fills the model's context ({self.max_model_len} tokens)")
+        return room
+
+    def submit(self, prompts: List[List[int]], params, param: str) -> Requests:
+        """Every prompt queued, or none: the engine's rejection (a prompt too long for the
+        context, ...) cancels what was already queued and becomes a 400 naming ``param``."""
+        streams = []
+        try:
+            for ids in prompts:
+                streams.append(self.engine.submit(ids, params, request_id=f"{uuid.uuid4().hex}"))
+        except (ValueError, TypeError) as exc:
+            for stream in streams:
+                stream.cancel()
+            field = field_named(str(exc), ("prompt", "prompt_token_ids", "n", "stop", "stop_token_ids", "max_tokens"))
+            raise bad_value(param if field.startswith("prompt") or not field else field, str(exc)) from None
+        except RuntimeError as exc:  # the engine is shutting down or has stopped
+            for stream in streams:
+                stream.cancel()
+            raise APIError(f"the engine cannot take requests: {exc}", status=503) from None
+        return Requests(streams)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def watch_disconnect(http_request, requests: Requests, every_s: float = 0.1) -> None:
+    """Cancel ``requests`` when the client of a non-streaming request goes away."""
+    while True:
+        await asyncio.sleep(every_s)
+        if await http_request.is_disconnected():
+            requests.cancel()
+            return

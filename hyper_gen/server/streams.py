@@ -1,0 +1,86 @@
+"""Engine streams as one response: several prompts' streams merged in arrival order, sent as
+server-sent events, and cancelled the moment the response ends early (a client that
+disconnects, a server shutting down), so their slots in the running batch are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator, List, Tuple
+
+from starlette.responses import StreamingResponse
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload) -> str:
+    """One server-sent event holding a JSON object (a pydantic model or a dict).
+
+    A chat delta leaves out what it does not change (``role`` after the first chunk, ``content``
+    on the last), as OpenAI's chunks do."""
+    body = payload.model_dump() if hasattr(payload, "model_dump") else payload
+    for choice in body.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is not None:
+            choice["delta"] = {k: v for k, v in delta.items() if v is not None}
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class Requests:
+    """The engine streams of one HTTP request: iterated together, cancelled together."""
+
+    def __init__(self, streams: list):
+        self.streams = list(streams)
+
+    def cancel(self) -> None:
+        for stream in self.streams:
+            stream.cancel()
+
+    async def chunks(self) -> AsyncIterator[Tuple[int, object]]:
+        """(prompt index, chunk) from every stream as the engine produces them."""
+        if len(self.streams) == 1:
+            async for chunk in self.streams[0]:
+                yield 0, chunk
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def pump(i, stream):
+            try:
+                async for chunk in stream:
+                    await queue.put((i, chunk))
+            except BaseException as exc:  # handed to the consumer below
+                await queue.put((i, exc))
+                return
+            await queue.put((i, end))
+
+        tasks: List[asyncio.Task] = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            running = len(tasks)
+            while running:
+                i, item = await queue.get()
+                if item is end:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that cancels its engine requests however it ends (finished, a client
+    disconnect, which Starlette turns into a cancellation, or an error)."""
+
+    def __init__(self, events, requests: Requests):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.requests = requests
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.requests.cancel()
