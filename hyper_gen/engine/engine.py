@@ -174,6 +174,11 @@ class Engine:
     def alive(self) -> bool:
         return self._state == "running"
 
+    def stats(self) -> dict:
+        """How busy the engine is (rank 0): ``running`` requests admitted and not yet closed,
+        ``waiting`` requests queued for a slot. A snapshot, read without the engine's lock."""
+        return {"running": len(self._live), "waiting": len(self._waiting)}
+
     # ---- requests ------------------------------------------------------------------------
     def submit(self, prompt_token_ids, params: Optional[SamplingParams] = None, request_id: Optional[str] = None):
         """Queue a request; returns its ``RequestStream``. Thread-safe. Raises ``ValueError`` /

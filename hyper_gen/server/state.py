@@ -29,15 +29,8 @@ class ServerState:
         self.created = int(time.time())
 
     def load(self) -> dict:
-        """How busy the engine is: requests admitted and not yet closed, requests queued.
-
-        The engine has no public counters yet: read its bookkeeping, where it is there."""
-        engine, out = self.engine, {}
-        for key, name in (("running", "_live"), ("waiting", "_waiting")):
-            value = getattr(engine, name, None)
-            if value is not None:
-                out[key] = len(value)
-        return out
+        """How busy the engine is: requests admitted and not yet closed, requests queued."""
+        return self.engine.stats()
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
