@@ -82,14 +82,14 @@ def generate(
         stops = None
         if config.stop_strings:
             stops = StopStrings(config.stop_strings, tokenizer, prompt.take(_repeat_rows(prompt, config)))
+        # the driver's own checks (a padded prompt for a forward without attention_mask) before the exchange too
+        loop = _DecodeLoop(model, ops, prompt, config, ops.param_dtype(model), limits, sync, stops)
     except Exception as error:
         if sync is not None:
             sync.start(error, 0)  # every rank learns it before anyone enters a forward
         raise
     if sync is not None:
         sync.start(None, prompt.batch_size * config.num_return_sequences)
-    dtype = ops.param_dtype(model)
-    loop = _DecodeLoop(model, ops, prompt, config, dtype, limits, sync, stops)
     with exclusive(ops, model), ops.no_grad():  # one thread at a time where the framework needs it
         with model_parameters_unsharded(ops, model, config.unshard_params):
             return loop.run(streamer, on_tokens)

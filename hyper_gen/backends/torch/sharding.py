@@ -5,9 +5,15 @@
   step together (``collective_forward``).
 - ``parallelize_module`` tensor parallelism leaves DTensor weights on a device mesh; an output
   layer sharded by rows (``ColwiseParallel``: ``Shard(0)`` of (V, H)) gives each rank its slice of
-  the vocabulary (``find_parallelism``: that mesh's group, vocab-parallel).
-- ``parameters_unsharded``: FSDP2's ``unshard()`` on every FSDP module for the whole call, then
-  ``reshard()``, so decode does not all-gather every layer every token.
+  the vocabulary (``find_parallelism``: that mesh's group, vocab-parallel). On a 2-D mesh
+  (``init_device_mesh(..., ("dp", "tp"))`` with the model parallelized on ``mesh["tp"]``) the
+  weight lives on the 1-D ``tp`` sub-mesh, so the group is the tensor-parallel one and each
+  data-parallel group keeps its own prompts; FSDP2 over that (``fully_shard(..., mesh=mesh["dp"])``)
+  is found on the weight's 2-D mesh, the tensor-parallel group being its last dimension.
+- ``parameters_unsharded``: FSDP2's ``unshard()`` on every FSDP module for the whole call, with
+  resharding after each forward switched off meanwhile (FSDP2 reshards in every post-forward
+  hook otherwise, undoing an ``unshard()`` after the first forward), then ``reshard()`` and the
+  module's own setting back, so decode does not all-gather every layer every token.
 """
 
 from __future__ import annotations
@@ -45,26 +51,80 @@ def _output_layer(model):
 def find_parallelism(model):
     """(process group, vocab_parallel) of a ``parallelize_module`` model whose output layer is a
     row-sharded DTensor (each rank's logits its vocabulary slice), else None. FSDP's DTensors
-    (parameters sharded on the data-parallel mesh) are not tensor parallelism and are not reported."""
-    if not isinstance(model, torch.nn.Module) or _is_fsdp(model):
+    (parameters sharded on the data-parallel mesh) are not tensor parallelism and are not reported;
+    FSDP2 applied over such a model (``fully_shard(..., mesh=mesh["dp"])``) leaves the weight on the
+    2-D (dp, tp) mesh, FSDP's ``_StridedShard`` first and TP's ``Shard(0)`` last: the last mesh
+    dimension's group is the tensor-parallel one.
+
+    A vocabulary that does not split evenly over the mesh is a ``ValueError``: torch gives the
+    ranks blocks of different sizes, and the logits gather takes equal blocks."""
+    if not isinstance(model, torch.nn.Module):
         return None
     weight = getattr(_output_layer(model), "weight", None)
-    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1:
+    if not isinstance(weight, DTensor):
         return None
-    (placement,) = weight.placements
-    if not (isinstance(placement, Shard) and placement.dim == 0):
+    mesh, placements = weight.device_mesh, weight.placements
+    if _is_fsdp(model):
+        # FSDP2 over TP: a (dp..., tp) mesh, FSDP's dims first; FSDP alone: a 1-D dp mesh (not TP)
+        if mesh.ndim < 2:
+            return None
+    elif mesh.ndim != 1:
         return None
-    return weight.device_mesh.get_group(), True
+    placement = placements[-1]
+    if not (type(placement) is Shard and placement.dim == 0):  # not FSDP's _StridedShard
+        return None
+    vocab, ranks = int(weight.shape[0]), mesh.size(mesh.ndim - 1)
+    if vocab % ranks:
+        raise ValueError(
+            f"the output layer's vocabulary of {vocab} rows is sharded over {ranks} ranks, which does not "
+            f"divide it: pad the vocabulary (embedding and LM head) to a multiple of {ranks}, or keep the "
+            "logits distributed (ColwiseParallel(use_local_output=False)), which generate gathers whole"
+        )
+    return mesh.get_group(mesh.ndim - 1), True
+
+
+def _keep_unsharded(module) -> tuple:
+    """Switch off ``module``'s reshard-after-forward; returns what puts it back. FSDP2 keeps that
+    setting per parameter group (``post_forward_mesh_info``) with an 'auto' flag for the root: both
+    are saved as they are and restored, so an int ``reshard_after_forward`` comes back exactly."""
+    state = module._get_fsdp_state()
+    saved = (state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
+    module.set_reshard_after_forward(False, recurse=False)
+    return state, saved
+
+
+def _restore(state, saved) -> None:
+    auto, infos = saved
+    state._auto_reshard_after_forward = auto
+    for group, info in zip(state._fsdp_param_groups, infos):
+        group.post_forward_mesh_info = info
+
+
+def _outermost_fsdp(module) -> list:
+    """The FSDP2 modules of ``module`` with no FSDP2 module above them (the roots of their trees)."""
+    if isinstance(module, FSDPModule):
+        return [module]
+    return (
+        [m for child in module.children() for m in _outermost_fsdp(child)]
+        if isinstance(module, torch.nn.Module)
+        else []
+    )
 
 
 @contextlib.contextmanager
 def parameters_unsharded(model):
     """FSDP2 modules' parameters all-gathered once for the block (nothing to do for others)."""
     fsdp = [m for m in _modules(model) if isinstance(m, FSDPModule)]
-    for module in fsdp:
-        module.unshard()
+    for root in _outermost_fsdp(model):  # what the first forward does: decide the root (its reshard is 'auto')
+        root._get_fsdp_state()._lazy_init()
+    restore = []
     try:
+        for module in fsdp:
+            restore.append(_keep_unsharded(module))
+            module.unshard()
         yield
     finally:
+        for state, saved in restore:
+            _restore(state, saved)
         for module in fsdp:
             module.reshard()
