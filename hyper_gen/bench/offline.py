@@ -1,8 +1,11 @@
 """Offline JSONL job: in-flight batching vs fixed micro-batches, on mixed prompt and output lengths.
 
-The job is 64 prompts of the demo task (2..8 digits) whose rows ask for 4..64 new tokens each
-(``"max_tokens"`` per row, drawn independently of the prompt, as real completion lengths are;
-EOS off so every row runs to its own limit). Both runs go through the real job code
+The job is 256 prompts of the demo task (2..8 digits) whose rows ask for their own number of
+new tokens (``"max_tokens"`` per row, drawn independently of the prompt, as real completion
+lengths are; EOS off so every row runs to its own limit), in two shapes: uniform in 4..64, and
+log-normal in 4..128 (median 32, a long tail: what EOS gives rollouts and chat). The best
+in-flight can do is the ratio of the longest row of a micro-batch to the mean row, less the
+job's tail (its last rows run in a half-empty batch) and the extra prefill calls. Both runs go through the real job code
 (``hyper_gen.cli.batch_jobs.run_jsonl``, fsync per result included) with the same batch size:
 
 - fixed: micro-batches sorted by prompt length, each run until its longest row is done (a row
@@ -12,7 +15,8 @@ EOS off so every row runs to its own limit). Both runs go through the real job c
 Both produce the same tokens (greedy); the point is seconds. After a warm-up round the two
 alternate ``repeats`` times and each keeps its fastest run (a shared machine's load only ever
 adds time). Printed with the host (CPU, ISA, threads), since ratios move between hosts.
-Run: ``python -m hyper_gen.bench.offline [--backend mindspore] [--rows 64] [--batch-size 16]``;
+Run: ``python -m hyper_gen.bench.offline [--backend mindspore] [--rows 256] [--batch-size 16]
+[--spread uniform|lognormal|both]``;
 ``hyper-gen bench serve`` prints it at the end.
 """
 
@@ -42,6 +46,8 @@ class OfflineComparison:
     fixed_s: float
     inflight_s: float
     host: str
+    spread: str = "uniform"
+    lengths: tuple = (4, 64)
 
     @property
     def speedup(self) -> float:
@@ -50,8 +56,8 @@ class OfflineComparison:
     def __str__(self) -> str:
         return "\n".join(
             [
-                f"offline JSONL job: {self.rows} rows, 4..64 new tokens each ({self.tokens} in all), "
-                f"batch size {self.batch_size}, {self.backend}",
+                f"offline JSONL job: {self.rows} rows, {self.lengths[0]}..{self.lengths[1]} new tokens each "
+                f"({self.spread}, {self.tokens} in all), batch size {self.batch_size}, {self.backend}",
                 f"  {'batching':28s}{'seconds':>10s}{'tokens/s':>12s}",
                 f"  {'fixed micro-batches':28s}{self.fixed_s:10.2f}{self.tokens / self.fixed_s:12.1f}",
                 f"  {'in-flight (refill)':28s}{self.inflight_s:10.2f}{self.tokens / self.inflight_s:12.1f}",
@@ -61,12 +67,27 @@ class OfflineComparison:
         )
 
 
-def mixed_job(path: str, rows: int, seed: int = 0) -> None:
-    """``rows`` demo prompts with per-row max_tokens in 4..64, independent of the prompt."""
+SPREADS = ("uniform", "lognormal")
+JOBS = (("uniform", (4, 64)), ("lognormal", (4, 128)))  # what the bench prints: both length shapes
+
+
+def output_lengths(rows: int, spread: str, tokens=(4, 64), seed: int = 0) -> np.ndarray:
+    """Per-row completion lengths in ``tokens`` (inclusive): ``uniform``, or ``lognormal`` (median a
+    quarter of the longest, a long tail: the shape EOS gives rollouts and chat completions)."""
+    rng = np.random.default_rng(seed)
+    low, high = tokens
+    if spread == "uniform":
+        return rng.integers(low, high + 1, size=rows)
+    if spread == "lognormal":
+        return np.clip(np.round(np.exp(rng.normal(np.log(high / 4), 0.8, size=rows))), low, high).astype(int)
+    raise ValueError(f"spread must be one of {SPREADS}, got {spread!r}")
+
+
+def mixed_job(path: str, rows: int, seed: int = 0, tokens=(4, 64), spread: str = "uniform") -> None:
+    """``rows`` demo prompts with per-row max_tokens (see :func:`output_lengths`), independent of the prompt."""
     from hyper_gen.demo.task import make_prompts
 
-    rng = np.random.default_rng(seed)
-    limits = rng.integers(4, 65, size=rows)
+    limits = output_lengths(rows, spread, tokens, seed)
     with open(path, "w", encoding="utf-8") as f:
         for i, ((prompt, _), limit) in enumerate(zip(make_prompts(rows, seed=seed), limits)):
             f.write(json.dumps({"id": i, "prompt": prompt, "max_tokens": int(limit)}) + "\n")
@@ -83,10 +104,12 @@ def run_offline_comparison(
     backend: str = "torch",
     *,
     model=None,
-    rows: int = 64,
+    rows: int = 256,
     batch_size: int = 16,
     seed: int = 0,
     repeats: int = 3,
+    spread: str = "uniform",
+    lengths=(4, 64),
 ) -> OfflineComparison:
     """Time both batchings on the mixed job (``model_path`` / ``model``: a checkpoint folder, default
     the demo model); returns the comparison (``str()`` is the printed table)."""
@@ -99,12 +122,12 @@ def run_offline_comparison(
     path = model_path or model or demo_model_path()
     loaded = load_model(path, backend=backend)
     tokenizer = load_tokenizer(path)
-    config = GenerationConfig(max_new_tokens=64, eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=int(lengths[1]), eos_token_id=None, pad_token_id=0)
     context = batch_jobs.context_length(loaded, tokenizer, path)
     seconds, outputs = {"fixed": [], "inflight": []}, {}
     with tempfile.TemporaryDirectory() as tmp:
         job_file = os.path.join(tmp, "in.jsonl")
-        mixed_job(job_file, rows, seed)
+        mixed_job(job_file, rows, seed, tokens=lengths, spread=spread)
         for round_ in range(1 + repeats):  # round 0 warms up
             for batching in ("fixed", "inflight"):
                 out = os.path.join(tmp, f"{batching}.jsonl")
@@ -129,6 +152,8 @@ def run_offline_comparison(
         min(seconds["fixed"]),
         min(seconds["inflight"]),
         describe_host(_threads(backend)),
+        spread,
+        tuple(lengths),
     )
 
 
@@ -136,15 +161,24 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hyper_gen.bench.offline", description=__doc__)
     parser.add_argument("--model", default=None)
     parser.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
-    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--spread", choices=SPREADS + ("both",), default="both")
     args = parser.parse_args(argv)
-    print(
-        run_offline_comparison(
-            args.model, args.backend, rows=args.rows, batch_size=args.batch_size, repeats=args.repeats
-        )
-    )
+    for spread, lengths in JOBS:
+        if args.spread in (spread, "both"):
+            print(
+                run_offline_comparison(
+                    args.model,
+                    args.backend,
+                    rows=args.rows,
+                    batch_size=args.batch_size,
+                    repeats=args.repeats,
+                    spread=spread,
+                    lengths=lengths,
+                )
+            )
 
 
 if __name__ == "__main__":

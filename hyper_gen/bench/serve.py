@@ -14,7 +14,6 @@ prefill (no queueing), the static batch's is its one prefill. Then the offline J
 from __future__ import annotations
 
 import http.client
-import importlib
 import json
 import re
 import subprocess
@@ -181,18 +180,11 @@ def _row(name: str, rate: float, ttfts) -> str:
 
 
 def _offline(args) -> None:
-    try:
-        offline = importlib.import_module("hyper_gen.bench.offline")
-    except ImportError:
-        print("offline JSONL comparison: hyper_gen.bench.offline is not there yet (skipped)")
-        return
-    run = getattr(offline, "run_offline_comparison", None)
-    if run is None:
-        print("offline JSONL comparison: hyper_gen.bench.offline has no run_offline_comparison (skipped)")
-        return
-    result = run(args.model, backend=args.backend)
-    if result is not None:
-        print(result)
+    from . import offline
+
+    run = offline.run_offline_comparison
+    for spread, lengths in offline.JOBS:
+        print(run(args.model, backend=args.backend, spread=spread, lengths=lengths))
 
 
 def run_serve_bench(args) -> None:

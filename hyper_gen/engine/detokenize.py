@@ -17,9 +17,26 @@ from typing import List, Optional, Tuple
 _BROKEN = "\ufffd"
 
 
+def fast_decoder(tokenizer):
+    """``ids -> text`` equal to ``tokenizer.decode(ids, skip_special_tokens=True)``: an HF fast
+    tokenizer's Rust backend called directly (plus the same clean-up HF applies), since the Python
+    wrapper's argument conversion costs more than the decode itself at one call per token."""
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    clean = getattr(tokenizer, "clean_up_tokenization", None)
+    if cleanup and callable(clean):
+        return lambda ids: clean(backend.decode(ids, skip_special_tokens=True))
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalText:
-    def __init__(self, tokenizer, stops: List[str]):
+    def __init__(self, tokenizer, stops: List[str], decode=None):
         self.tokenizer = tokenizer
+        self.decode = decode or fast_decoder(tokenizer)
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.emitted = 0  # characters of the text handed out so far
@@ -29,7 +46,7 @@ class IncrementalText:
         """(new stable text, whether a stop string ended the choice) after ``ids`` (all of them)."""
         if self.tokenizer is None:
             return "", False
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.decode(ids)
         stop_at = self._stop_index(text)
         if stop_at is not None:
             self.text = text[:stop_at]
