@@ -71,12 +71,19 @@ def generate(
     """
     if model is None or not callable(model):
         raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
-    config = resolve_config(generation_config, config_overrides, model)
     ops = backend_for(model, input_ids)
-    sync = _step_sync(ops, model, config)
+    try:
+        config = resolve_config(generation_config, config_overrides, model)
+    except Exception as error:  # a step-synced rank with a bad config still tells the others
+        sync = _step_sync(ops, model, _asked_synced(generation_config, config_overrides))
+        if sync is not None:
+            sync.start(error, 0)
+        raise
+    sync = _step_sync(ops, model, config.synced_gpus)
     try:
         prompt = prepare_prompts(input_ids, attention_mask)
-        check_consistent_inputs(ops, model, prompt, config)
+        if sync is None:
+            check_consistent_inputs(ops, model, prompt, config)
         limits = ModelLimits.of(model)  # vocab_size / max_position_embeddings, where the model declares them
         check_against_model(prompt, config, limits)  # before any forward
         stops = None
@@ -90,16 +97,29 @@ def generate(
         raise
     if sync is not None:
         sync.start(None, prompt.batch_size * config.num_return_sequences)
+        # every rank's input is valid: now a model-parallel group compares its ranks' inputs (a rank that
+        # failed above would have skipped this collective), and the job learns the verdict
+        try:
+            check_consistent_inputs(ops, model, prompt, config)
+        except Exception as error:
+            sync.agree(error)
+            raise
+        sync.agree(None)
     with exclusive(ops, model), ops.no_grad():  # one thread at a time where the framework needs it
         with model_parameters_unsharded(ops, model, config.unshard_params):
             return loop.run(streamer, on_tokens)
 
 
-def _step_sync(ops, model, config) -> Optional[StepSync]:
+def _asked_synced(generation_config, overrides) -> Optional[bool]:
+    """``synced_gpus`` as the caller gave it, read without validating the rest of the config."""
+    value = overrides.get("synced_gpus", getattr(generation_config, "synced_gpus", None))
+    return value if isinstance(value, bool) else None
+
+
+def _step_sync(ops, model, synced: Optional[bool]) -> Optional[StepSync]:
     """The step-sync collectives when this call must keep every rank stepping, else None."""
     if ops.world_size() == 1:
         return None
-    synced = config.synced_gpus
     if synced is None:
         synced = forward_is_collective(ops, model)
     return StepSync(ops, model_group_leader(ops, model)) if synced else None

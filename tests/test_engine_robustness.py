@@ -4,6 +4,7 @@ cannot batch, text split inside a character or a stop string; and the RFC-contra
 
 import functools
 import time
+import types
 
 import pytest
 from test_streaming import byte_tokenizer
@@ -93,6 +94,13 @@ def test_models_the_engine_cannot_batch_are_refused():
         Engine(lambda input_ids: None)
     with pytest.raises(TypeError, match="callable model"):
         Engine(None)
+
+    def context_parallel(input_ids, position_ids=None, attention_mask=None, past_key_values=None):
+        return None
+
+    context_parallel.cp_plan = types.SimpleNamespace(cp=2)  # what load_model(cp=2) models carry
+    with pytest.raises(TypeError, match="does not batch context-parallel models"):
+        Engine(context_parallel)
 
 
 @pytest.mark.parametrize(

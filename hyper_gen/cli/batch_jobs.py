@@ -34,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hyper_gen.engine import Engine, EngineDeadError, SamplingParams
+from hyper_gen.engine.engine import check_engine_model
 
 from .common import Interrupted, UsageError, completions
 
@@ -282,6 +283,12 @@ def run_jsonl(
 
     for note in job.notes:
         say(note)
+    if batching == "inflight":
+        try:
+            check_engine_model(model)
+        except TypeError as refused:  # e.g. a context-parallel model: fixed micro-batches still work
+            say(f"hyper-gen: in-flight batching unavailable ({refused}); running fixed micro-batches")
+            batching = "fixed"
     rows = [row for row in job.rows if row.key not in job.done]
     out = None
     if write:

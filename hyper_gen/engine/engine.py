@@ -67,6 +67,11 @@ def check_engine_model(model) -> None:
             f"the engine does not batch unmodified HF transformers models ({type(model).__name__}); load the "
             "checkpoint with hyper_gen.load_model(path) (native Qwen3.5), or use hyper_gen.generate for HF models"
         )
+    if getattr(getattr(model, "cp_plan", None), "cp", 1) > 1:
+        raise TypeError(
+            "the engine does not batch context-parallel models yet (each rank holds a slice of every row's "
+            "cache, which the engine's row splicing would break): use hyper_gen.generate, or load with cp=1"
+        )
     signature = ForwardSignature(model)
     missing = [name for name in _NEEDED if not signature.accepts(name)]
     if missing:

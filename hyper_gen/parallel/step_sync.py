@@ -66,6 +66,11 @@ class StepSync:
         before = leaders & (table[:, 2] < self.leader_rank)
         self.row_offset = int(table[before, 1].sum())
 
+    def agree(self, error: Optional[BaseException]) -> None:
+        """One more exchange before the first forward (after the model group compared its inputs):
+        raise everywhere if any rank failed."""
+        self._exchange(running=False, failed=error is not None, error=error, when="before generating")
+
     def step(self, running: bool) -> bool:
         """After a step: True when every rank's rows are finished. Raises when a rank reported failure."""
         return self._exchange(running=running, failed=False)
@@ -77,7 +82,7 @@ class StepSync:
         self._failed_reported = True
         self._exchange(running=False, failed=True, error=error)
 
-    def _exchange(self, running: bool, failed: bool, error: Optional[BaseException] = None) -> bool:
+    def _exchange(self, running: bool, failed: bool, error=None, when: str = "during generation") -> bool:
         flags = np.zeros((1, 1 + self.size), dtype=np.float32)
         flags[0, 0] = float(running)
         flags[0, 1 + self.rank] = float(failed)
@@ -91,7 +96,7 @@ class StepSync:
         bad = [int(r) for r in np.flatnonzero(total[1:])]
         if bad:
             self._failed_reported = True
-            self._raise_for(bad, error, "during generation")
+            self._raise_for(bad, error, when)
         return total[0] == 0
 
     def _raise_for(self, failed, error, when: str) -> None:
