@@ -80,8 +80,9 @@ for row in range(out.sequences.shape[0]):
         f"rank {rank}: rev {prompt} = {completion.strip()!r:10} tokens={count:2d} reward={reward:.0f} "
         f"logprob={logprob:8.3f} raw_logprob={raw:8.3f}"
     )
-print("\n".join(lines), flush=True)
-dist.barrier()
+everyone = [None] * world
+dist.all_gather_object(everyone, lines)  # rank 0 prints them all: ranks writing one pipe can interleave
 if rank == 0:
+    print("\n".join(line for rank_lines in everyone for line in rank_lines), flush=True)
     print(f"done: {len(numbers)} prompts over {world} ranks, {args.samples} samples each", flush=True)
 dist.destroy_process_group()
