@@ -18,7 +18,10 @@ loader to build a native model, the CLI and the launchers to join a job). An ada
   data-parallel ranks (FSDP, DTensor parameters), so generate keeps ranks stepping together;
 - ``find_parallelism(model) -> (group, vocab_parallel) | None``: tensor parallelism found in the
   model's parameters (torch ``parallelize_module``), for models without ``parallel_group``;
-- ``parameters_unsharded(model)``: a context holding sharded parameters gathered (FSDP2 unshard).
+- ``parameters_unsharded(model)``: a context holding sharded parameters gathered (FSDP2 unshard);
+- ``thread_initializer() -> callable``: read on the calling thread, run first on a new thread that
+  will call the model, so it computes with the caller's settings (torch's intra-op thread count is
+  per thread: a new thread's default team was measured 2.7x slower on 2 cores).
 
 Adapters are imported on first use, and :func:`backend_for` only asks adapters whose framework is
 already imported, so ``import hyper_gen`` never imports torch or mindspore. A new backend is one
@@ -30,7 +33,7 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,18 @@ def backend_for(*objects: Any):
         f"no backend recognises {kinds or 'nothing'}: pass a torch.nn.Module / mindspore.nn.Cell model "
         "(or a callable whose parameters or inputs are torch / mindspore tensors)"
     )
+
+
+def thread_initializer(name: Optional[str] = None):
+    """The callable a new thread about to run backend ``name``'s models (None: every imported
+    framework's) calls first (see above)."""
+    steps = [adapter(name).thread_initializer()] if name else [a.thread_initializer() for a in imported_adapters()]
+
+    def initialize():
+        for step in steps:
+            step()
+
+    return initialize
 
 
 def to_host(value: Any) -> Any:

@@ -16,6 +16,8 @@ from typing import Optional
 
 import numpy as np
 
+from .registry import thread_initializer
+
 _INCOMPLETE = "\ufffd"
 
 
@@ -92,6 +94,12 @@ class TextIteratorStreamer(TextStreamer):
 
 def generate_in_thread(generate_fn, *args, **kwargs) -> threading.Thread:
     """Start ``generate_fn(*args, **kwargs)`` in a daemon thread (pair with TextIteratorStreamer)."""
-    thread = threading.Thread(target=generate_fn, args=args, kwargs=kwargs, daemon=True)
+    setup = thread_initializer()  # this thread's framework settings (torch's thread count) on the new one
+
+    def run():
+        setup()
+        generate_fn(*args, **kwargs)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread

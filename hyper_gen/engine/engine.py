@@ -41,7 +41,7 @@ from ..drivers import ForwardSignature, is_hf_model
 from ..inputs import ModelLimits
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, gather_vocab_logits, parallel_group
-from ..registry import backend_for
+from ..registry import backend_for, thread_initializer
 from .batch import RaggedBatch
 from .outputs import ChoiceOutput, CompletionChunk, RequestOutput
 from .params import SamplingParams
@@ -154,7 +154,8 @@ class Engine:
             if self._state != "new":
                 raise RuntimeError(f"the engine was already started (it is {self._state})")
             self._state = "running"
-        self._thread = threading.Thread(target=self._run, name="hyper_gen-engine", daemon=True)
+        setup = thread_initializer(self.ops.name)  # the caller's settings (torch threads) on the engine thread
+        self._thread = threading.Thread(target=self._run, args=(setup,), name="hyper_gen-engine", daemon=True)
         self._thread.start()
         return self
 
@@ -292,8 +293,10 @@ class Engine:
             self._cond.notify_all()
 
     # ---- the engine thread (rank 0) ------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, setup=None) -> None:
         try:
+            if setup is not None:
+                setup()
             with self.ops.no_grad():  # torch's no_grad is per thread: here, on the thread that calls the model
                 while True:
                     plan = self._next_plan()

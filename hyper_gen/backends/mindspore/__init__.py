@@ -103,6 +103,11 @@ def parameters_unsharded(model):
         yield
 
 
+def thread_initializer():
+    """Nothing to carry over: MindSpore's CPU thread settings are process-wide."""
+    return lambda: None
+
+
 def ops_for(obj):
     """MindSporeOps for a Cell or Tensor, else None."""
     if isinstance(obj, (ms.Tensor, ms.nn.Cell)):
@@ -134,4 +139,5 @@ __all__ = [
     "ops_for",
     "resolve_device",
     "shutdown_distributed",
+    "thread_initializer",
 ]

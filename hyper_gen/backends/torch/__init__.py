@@ -27,6 +27,12 @@ def limit_threads(threads: int) -> str:
     return f"{threads} torch thread{'s' if threads > 1 else ''} per rank"
 
 
+def thread_initializer():
+    """The caller's intra-op thread count, applied on the new thread (torch keeps it per thread)."""
+    threads = torch.get_num_threads()
+    return lambda: torch.set_num_threads(threads)
+
+
 def launcher(ranks: int) -> str:
     return f"torchrun --nproc_per_node {ranks}"
 
@@ -83,5 +89,6 @@ __all__ = [
     "rank_device",
     "resolve_device",
     "shutdown_distributed",
+    "thread_initializer",
     "torch_dtype",
 ]
