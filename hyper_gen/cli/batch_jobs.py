@@ -429,7 +429,9 @@ def _inflight(model, tokenizer, config, rows, batch_size: int):
         engine.run_follower()
         return
     finished: queue.Queue = queue.Queue()
-    with engine:
+    inline = engine.world_size == 1  # one process: this thread drives the steps (no thread handoff)
+    engine.start(background=not inline)
+    try:
         rows_of = {}
         for row in rows:
             ids = tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
@@ -441,6 +443,10 @@ def _inflight(model, tokenizer, config, rows, batch_size: int):
             rows_of[id(stream)] = row
             stream.add_done_callback(finished.put)
         while rows_of:
+            if inline:
+                engine.step()  # done callbacks run in it
+                if finished.empty():
+                    continue
             try:
                 done = [finished.get(timeout=0.5)]
             except queue.Empty:
@@ -448,6 +454,8 @@ def _inflight(model, tokenizer, config, rows, batch_size: int):
             while not finished.empty():
                 done.append(finished.get_nowait())
             yield [(rows_of.pop(id(stream)), _result(stream)) for stream in done]
+    finally:
+        engine.shutdown()
 
 
 def _result(stream):

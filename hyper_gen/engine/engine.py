@@ -146,26 +146,72 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def start(self) -> "Engine":
-        """Start the engine thread (rank 0 of a multi-rank model; the other ranks run ``run_follower``)."""
+    def start(self, background: bool = True) -> "Engine":
+        """Start the engine thread (rank 0 of a multi-rank model; the other ranks run ``run_follower``).
+
+        ``background=False``: no thread; the caller drives the engine with :meth:`step` (offline jobs:
+        no handoff between threads, whose two framework thread pools were measured to slow each
+        other down on a 2-core host)."""
         if self.rank != 0:
             raise RuntimeError(f"rank {self.rank} of a multi-rank engine runs engine.run_follower(), not start()")
         with self._cond:
             if self._state != "new":
                 raise RuntimeError(f"the engine was already started (it is {self._state})")
             self._state = "running"
+        if not background:
+            return self
         setup = thread_initializer(self.ops.name)  # the caller's settings (torch threads) on the engine thread
         self._thread = threading.Thread(target=self._run, args=(setup,), name="hyper_gen-engine", daemon=True)
         self._thread.start()
         return self
 
+    def step(self) -> bool:
+        """One step on the calling thread, for an engine started with ``start(background=False)``:
+        admissions, one decode for every running row, drops. False when nothing is queued or running."""
+        if self._thread is not None:
+            raise RuntimeError("this engine runs its own thread: step() is for start(background=False)")
+        self._check_running()
+        with self._cond:
+            plan, aborted = self._plan_step()
+        for request in aborted:
+            self._abort(request)
+        if plan.empty and not len(self._batch):
+            return bool(self._waiting)
+        try:
+            if self.world_size > 1:
+                share_plan(self.ops, plan)
+            with self.ops.no_grad():
+                self._execute(plan)
+        except BaseException as error:
+            self._die(error)
+            raise
+        return True
+
+    def _stop_inline(self) -> None:
+        """shutdown() of an engine without a thread: what the thread's last plan would do."""
+        with self._cond:
+            aborted = list(self._waiting) + list(self._live.values())
+            self._waiting.clear()
+            plan = StepPlan(drops=self._take_drops(aborted), shutdown=True)
+        for request in aborted:
+            self._abort(request)
+        if self.world_size > 1:
+            share_plan(self.ops, plan)
+        self._execute(plan)
+        with self._cond:
+            self._state = "stopped"
+
     def shutdown(self, timeout: Optional[float] = 60.0) -> None:
         """Stop: requests still queued or running end with finish_reason "abort"; the other ranks'
         ``run_follower`` returns. Waits up to ``timeout`` s for the engine thread."""
         with self._cond:
+            inline = self._thread is None and self._state == "running"
             if self._state == "running":
                 self._state = "stopping"
             self._cond.notify_all()
+        if inline:
+            self._stop_inline()
+            return
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
