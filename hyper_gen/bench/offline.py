@@ -113,7 +113,7 @@ def run_offline_comparison(
 ) -> OfflineComparison:
     """Time both batchings on the mixed job (``model_path`` / ``model``: a checkpoint folder, default
     the demo model); returns the comparison (``str()`` is the printed table)."""
-    from hyper_gen.cli import batch_jobs
+    import hyper_gen.cli.batch_jobs as batch_jobs
     from hyper_gen.cli.common import load_tokenizer
     from hyper_gen.config import GenerationConfig
     from hyper_gen.demo import demo_model_path
