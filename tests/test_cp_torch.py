@@ -6,8 +6,11 @@ run every multi-rank check on the tiny dense and MoE checkpoints, float32 and fl
 forwards (prefill of a left-padded batch of a 70- or 200-token row with a 3-token and a 17-token
 row, then teacher-forced decode steps) on static and dynamic caches, each rank's cache holding
 only its slice; generate() greedy / seeded / dynamic cache / use_cache=False / num_return_sequences
-on those batches and on prompts of 1, 65 and 129 tokens. The single-process tests cover the
-errors raised before any process group or weight is touched.
+on those batches and on prompts of 1, 65 and 129 tokens. The same jobs rerun the forwards and
+greedy / seeded / dynamic generate() with ``cp_strategy="ulysses"`` (the all-to-all prefill) on the
+70- and 200-token batches (at tp=2 on a checkpoint with 8 attention / 4 KV heads; the others are
+refused there). The single-process tests cover the errors raised before any process group or
+weight is touched.
 """
 
 import re
@@ -19,6 +22,8 @@ from qwen_checkpoints import make_checkpoint
 from hyper_gen.models.loading import load_model
 
 CHECKPOINTS = {"dense": ("dense", {}), "moe": ("moe", {})}
+# 8 attention / 4 KV heads: 2 / 1 per cp rank under Ulysses even at tp=2 (the others have 1 KV head per tp rank)
+WIDE = {"wide": ("dense", {"text_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4}})}
 DTYPES = ("float32", "float64")
 WIDTHS = (70, 200)
 GENERATE_RUNS = [(name, width) for width in (70, 200, 1, 65, 129) for name in ("greedy", "seeded", "dynamic")] + [
@@ -31,7 +36,8 @@ LINE = re.compile(r"^rank (\d): (\w+) (\S+) (.*)$", re.M)
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_torch")
-    return {label: make_checkpoint(root, kind, **kwargs) for label, (kind, kwargs) in CHECKPOINTS.items()}
+    every = {**CHECKPOINTS, **WIDE}
+    return {label: make_checkpoint(root, kind, **kwargs) for label, (kind, kwargs) in every.items()}
 
 
 def _job(paths, nproc, tp):
@@ -149,7 +155,88 @@ def test_cp_other_than_the_world_size_is_a_clear_error(cp2):
         assert f"rank {rank}: world ValueError: tp=1 x cp=4 needs 4 ranks but the job has 2" in text, text[-3000:]
 
 
+# ----------------------------------------------------- cp_strategy="ulysses": all-to-all prefill
+
+
+def _ulysses_labels(job):
+    """The checkpoints Ulysses loads on: every one at cp=2 alone; at tp=2 the one with 2 KV heads
+    per tp rank (the others have 1, which cp=2 cannot split)."""
+    return list(CHECKPOINTS) + list(WIDE) if job[2] == 2 else list(WIDE)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ulysses_loads_or_refuses_an_indivisible_head_split(job, dtype):
+    tp = job[2] // 2
+    for rank in _ranks(job):
+        for label in list(CHECKPOINTS) + list(WIDE):
+            line = _line(job, rank, "load", f"{label}/{dtype}/ulysses")
+            if label in _ulysses_labels(job):
+                assert line == f"cp_plan=CPPlan(cp=2, rank={rank // tp}, chunk=64, strategy='ulysses')", line
+            else:
+                assert re.match(
+                    r"ValueError: cp_strategy='ulysses' splits the heads over the cp=2 ranks, but there are 1 KV heads "
+                    r"per tensor-parallel rank .*use cp_strategy='allgather'",
+                    line,
+                ), line
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ulysses_matches_single_device(job, dtype, width):
+    """Prefill logits of every position and every decode step's (static and dynamic caches):
+    float64 within 1e-9, float32 within 1e-3; each rank caches only its slice; greedy, seeded and
+    dynamic-cache generate() give the single-device tokens on every rank."""
+    for label in _ulysses_labels(job):
+        tokens = {name: set() for name in ("greedy", "seeded", "dynamic")}
+        for rank in _ranks(job):
+            tag = f"{label}/{dtype}/ulysses"
+            diff = float(re.match(r"width=\d+ maxdiff=(\S+)", _line(job, rank, "logits", tag, width))[1])
+            print(f"Ulysses CP=2 vs one device {tag} width {width} rank {rank}: max abs logit diff {diff:.3e}")
+            assert diff <= (1e-9 if dtype == "float64" else 1e-3)
+            assert _line(job, rank, "kvshard", tag, width) == f"width={width} ok=True"
+            for name in tokens:
+                equal, rank_tokens = re.match(
+                    r"width=\d+ equal=(\w+) tokens=(.*)", _line(job, rank, name, tag, width)
+                ).groups()
+                assert equal == "True", f"rank {rank} {name}: Ulysses tokens differ from one device's: {rank_tokens}"
+                tokens[name].add(rank_tokens)
+        assert all(len(seen) == 1 for seen in tokens.values())
+
+
 # ------------------------------------------------------------------------ single-process errors
+
+
+@pytest.mark.parametrize("strategy", ["ring", "", "ULYSSES", None, 1])
+def test_bad_cp_strategy_values(paths, strategy):
+    with pytest.raises(ValueError, match=r"cp_strategy must be one of \('allgather', 'ulysses'\), got"):
+        load_model(paths["dense"], backend="torch", cp=2, cp_strategy=strategy)
+
+
+def test_ulysses_is_refused_on_mindspore(paths):
+    with pytest.raises(ValueError, match=r"cp_strategy='ulysses' needs an all-to-all, which MindSpore's CPU"):
+        load_model(paths["dense"], backend="mindspore", cp=2, cp_strategy="ulysses")
+
+
+def test_ulysses_heads_not_divisible_by_cp_fail_before_joining(paths, single_process):
+    with pytest.raises(ValueError, match=r"there are 1 KV heads per tensor-parallel rank \(2 attention, 1 KV\)"):
+        load_model(paths["dense"], backend="torch", tp=2, cp=2, cp_strategy="ulysses")
+    with pytest.raises(ValueError, match=r"there are 4 attention heads .* not divisible by cp=3"):
+        load_model(paths["dense"], backend="torch", cp=3, cp_strategy="ulysses")
+
+
+def test_cp_strategy_cli_flag():
+    import argparse
+
+    from hyper_gen.cli.common import add_model_flags
+
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+    assert parser.parse_args([]).cp_strategy == "allgather"
+    assert parser.parse_args(["--cp", "2", "--cp-strategy", "ulysses"]).cp_strategy == "ulysses"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cp-strategy", "ring"])
 
 
 @pytest.fixture

@@ -46,6 +46,13 @@ def add_model_flags(parser):
         "has tp * cp ranks (default: %(default)s)",
     )
     parser.add_argument(
+        "--cp-strategy",
+        default="allgather",
+        choices=("allgather", "ulysses"),
+        help="how full-attention layers exchange a --cp prefill: allgather K|V, or ulysses all-to-all of the "
+        "heads (torch only) (default: %(default)s)",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=None,
@@ -165,7 +172,14 @@ def load_everything(args):
     if args.tp > 1 or cp > 1 or launched_multi_rank():
         init_distributed(args.backend, timeout_s=timeout_s)
     try:
-        model = load_model(path, backend=args.backend, dtype=args.dtype, tp=args.tp, cp=cp)
+        model = load_model(
+            path,
+            backend=args.backend,
+            dtype=args.dtype,
+            tp=args.tp,
+            cp=cp,
+            cp_strategy=getattr(args, "cp_strategy", "allgather"),
+        )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     tokenizer = load_tokenizer(path)

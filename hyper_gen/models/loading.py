@@ -14,7 +14,7 @@ from typing import Optional
 
 from hyper_gen import registry
 from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
-from hyper_gen.parallel.cp_plan import CPPlan, Mesh
+from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_strategy, check_ulysses_heads
 from hyper_gen.parallel.tp_plan import TPPlan
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -34,7 +34,13 @@ def family_for(checkpoint: Checkpoint):
 
 
 def load_model(
-    path, backend: str = "torch", dtype: str = "float32", device: Optional[str] = None, tp: int = 1, cp: int = 1
+    path,
+    backend: str = "torch",
+    dtype: str = "float32",
+    device: Optional[str] = None,
+    tp: int = 1,
+    cp: int = 1,
+    cp_strategy: str = "allgather",
 ):
     """Load a checkpoint folder as a native ``backend`` model in ``dtype``.
 
@@ -54,12 +60,24 @@ def load_model(
     docs/model_contract.md): each rank prefills its slice of the prompt and caches only that slice
     of the attention K/V. The job is then a ``tp x cp`` mesh of exactly ``tp * cp`` ranks, tensor
     parallelism innermost (global rank = cp_rank * tp + tp_rank).
+
+    ``cp_strategy``: how full-attention layers exchange the prefill, one of
+    ``hyper_gen.parallel.cp_plan.STRATEGIES``: ``"allgather"`` (default; every backend) all-gathers
+    K|V; ``"ulysses"`` (torch only) runs two all-to-alls, each rank attending over the whole
+    sequence for ``1/cp`` of the heads (attention and KV heads per tp rank divisible by ``cp``).
+    Both give the same tokens; the cache and decode are the same.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an int >= 1, got {tp!r}")
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be an int >= 1, got {cp!r}")
+    check_strategy(cp_strategy)
     registry.check_name(backend)
+    if cp_strategy == "ulysses" and backend == "mindspore":
+        raise ValueError(
+            "cp_strategy='ulysses' needs an all-to-all, which MindSpore's CPU collectives do not have (AllGather, "
+            "AllReduce and Broadcast only); use cp_strategy='allgather' on MindSpore"
+        )
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a str, one of {DTYPES}, got {type(dtype).__name__} {dtype!r}")
     if dtype not in DTYPES:
@@ -73,8 +91,10 @@ def load_model(
     family = family_for(checkpoint)
     config = family.config_from_checkpoint(checkpoint)
     kernels = importlib.import_module(f"{adapter.models.__name__}.{family.NAME}")
+    if cp_strategy == "ulysses":
+        _check_ulysses(tp, cp, family, config)
     if cp > 1:
-        plan, cp_plan = _join_mesh_job(adapter, tp, cp, family, config)
+        plan, cp_plan = _join_mesh_job(adapter, tp, cp, family, config, cp_strategy)
         model = kernels.load(checkpoint, dtype, device=device, plan=plan, group=None, cp_plan=cp_plan)
     else:
         plan = _join_tp_job(adapter, tp, family, config) if tp > 1 else None
@@ -106,7 +126,18 @@ def _join_tp_job(adapter, tp: int, family, config) -> TPPlan:
     return plan
 
 
-def _join_mesh_job(adapter, tp: int, cp: int, family, config):
+def _check_ulysses(tp: int, cp: int, family, config) -> None:
+    """Ulysses' head split, checked before the process group is touched (the kernels check their
+    shard again): the attention and KV heads of one tensor-parallel rank must divide by ``cp``."""
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if heads is None or kv_heads is None:
+        return
+    family.check_tp(TPPlan(tp, 0), config)
+    start, stop = TPPlan(tp, 0).kv_heads(kv_heads, heads) if tp > 1 else (0, kv_heads)
+    check_ulysses_heads(cp, heads // tp, stop - start)
+
+
+def _join_mesh_job(adapter, tp: int, cp: int, family, config, strategy: str = "allgather"):
     """(TPPlan, CPPlan) of this rank in the launcher's job of ``tp * cp`` ranks (``Mesh``: tp
     innermost), the config checked against the tp split first (on every rank alike)."""
     mesh = Mesh(tp, cp)
@@ -126,4 +157,4 @@ def _join_mesh_job(adapter, tp: int, cp: int, family, config):
     tp_rank, cp_rank = mesh.coordinates(rank)
     plan = TPPlan(tp, tp_rank)
     family.check_tp(plan, config)
-    return plan, CPPlan(cp, cp_rank)
+    return plan, CPPlan(cp, cp_rank, strategy=strategy)

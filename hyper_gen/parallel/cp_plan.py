@@ -20,6 +20,14 @@ slice of the attention K/V in its cache.
   slice unchanged. Attention over the sharded cache: each rank's partial output and log-sum-exp,
   all-gathered and merged in rank order, the same arithmetic on every rank.
 
+- **Full-attention prefill strategy** (:attr:`CPPlan.strategy`, one of :data:`STRATEGIES`):
+  ``"allgather"`` (the default, every backend): one all-gather of every slice's K|V, each rank's
+  queries over the whole sequence; ``"ulysses"`` (torch): an all-to-all gives each rank the whole
+  sequence of Q, K and V for ``1/cp`` of the heads (:func:`check_ulysses_heads`: the attention and
+  KV head counts, after tensor parallelism, must divide by ``cp``), causal attention there, and a
+  second all-to-all returns each rank its slice for every head. Either way the cache holds the
+  rank's own slice and decode is the same.
+
 The mesh of a ``tp x cp`` job (:class:`Mesh`) puts the tensor-parallel ranks innermost (Megatron's
 order): global rank = ``cp_rank * tp + tp_rank``.
 """
@@ -28,6 +36,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Tuple
+
+STRATEGIES = ("allgather", "ulysses")
+
+
+def check_strategy(strategy) -> str:
+    """``strategy`` if it is one of :data:`STRATEGIES`, else a ValueError naming cp_strategy."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"cp_strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
+
+
+def check_ulysses_heads(cp: int, num_heads: int, num_kv_heads: int) -> None:
+    """Ulysses gives each rank ``1/cp`` of the (this tp rank's) attention and KV heads: both must
+    divide by ``cp``."""
+    for name, count in (("attention", num_heads), ("KV", num_kv_heads)):
+        if count % cp:
+            raise ValueError(
+                f"cp_strategy='ulysses' splits the heads over the cp={cp} ranks, but there are {count} {name} heads "
+                f"per tensor-parallel rank ({num_heads} attention, {num_kv_heads} KV), not divisible by cp={cp}; "
+                "use cp_strategy='allgather'"
+            )
 
 
 def _positive_int(value, name: str) -> int:
@@ -87,17 +116,24 @@ class CPLayout:
 @dataclass(frozen=True)
 class CPPlan:
     """This process's place in a context-parallel group: ``cp`` ranks, this one ``rank`` of them;
-    ``chunk`` is the block size prefill slices are made of."""
+    ``chunk`` is the block size prefill slices are made of; ``strategy`` how full-attention layers
+    exchange the prefill (one of :data:`STRATEGIES`; shown in the repr only when not the default)."""
 
     cp: int = 1
     rank: int = 0
     chunk: int = 64
+    strategy: str = "allgather"
 
     def __post_init__(self):
         _positive_int(self.cp, "cp")
         _positive_int(self.chunk, "chunk")
+        check_strategy(self.strategy)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.cp:
             raise ValueError(f"rank must be in [0, cp={self.cp}), got {self.rank!r}")
+
+    def __repr__(self) -> str:
+        extra = "" if self.strategy == "allgather" else f", strategy={self.strategy!r}"
+        return f"CPPlan(cp={self.cp}, rank={self.rank}, chunk={self.chunk}{extra})"
 
     @classmethod
     def resolve(cls, plan) -> "CPPlan":

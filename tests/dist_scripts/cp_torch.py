@@ -19,6 +19,7 @@ from hyper_gen.cache import DynamicCache, StaticCache
 
 torch.set_num_threads(1)
 TP = int(sys.argv[1])
+CP = int(os.environ["WORLD_SIZE"]) // TP
 checkpoints = [arg.split("=", 1) for arg in sys.argv[2:]]
 WIDTHS = (70, 200)  # neither a multiple of the 64-position chunk nor of the rank count
 SHORT_WIDTHS = (1, 65, 129)  # shorter than the ranks; a one-position last slice (conv halo over 1 row)
@@ -94,7 +95,7 @@ def expected_kv_length(model, width, cache):
 rank = model = None
 for label, path in checkpoints:
     for dtype in ("float32", "float64"):
-        model = load_model(path, backend="torch", dtype=dtype, tp=TP, cp=int(os.environ["WORLD_SIZE"]) // TP)
+        model = load_model(path, backend="torch", dtype=dtype, tp=TP, cp=CP)
         rank = dist.get_rank()
         single = load_model(path, backend="torch", dtype=dtype)
         tag = f"rank {rank}: {{}} {label}/{dtype}"
@@ -131,6 +132,32 @@ for label, path in checkpoints:
                 got = generate(model, ids, cfg, attention_mask=mask).numpy()
                 want = generate(single, ids, cfg, attention_mask=mask).numpy()
                 say(tag.format(name) + f" width={width} equal={np.array_equal(got, want)} tokens={got.tolist()}")
+
+        # the Ulysses all-to-all strategy for full-attention prefill: the same checks, the same tokens
+        utag = f"rank {rank}: {{}} {label}/{dtype}/ulysses"
+        try:
+            ulysses = load_model(path, backend="torch", dtype=dtype, tp=TP, cp=CP, cp_strategy="ulysses")
+        except ValueError as exc:  # tp=2 leaves 1 KV head per tp rank: not divisible by cp=2
+            say(utag.format("load") + f" ValueError: {exc}")
+            continue
+        say(utag.format("load") + f" cp_plan={ulysses.cp_plan}")
+        for width in WIDTHS:
+            ids, mask, decode_ids = padded_batch(single.vocab_size, width)
+            t_ids, t_mask, t_decode = (torch.from_numpy(a) for a in (ids, mask, decode_ids))
+            diff, kv_ok = 0.0, True
+            for cache_class in (StaticCache, DynamicCache):
+                ours, cache = contract_run(ulysses, t_ids, t_mask, t_decode, cache_class)
+                reference, _ = contract_run(single, t_ids, t_mask, t_decode, cache_class)
+                diff = max(diff, max((a.double() - b.double()).abs().max().item() for a, b in zip(ours, reference)))
+                want = expected_kv_length(ulysses, width, cache)
+                kv_ok &= all(cache.keys[i].shape[2] == want for i in ATTENTION_LAYERS) and want < cache.max_length
+            say(utag.format("logits") + f" width={width} maxdiff={diff:.3e}")
+            say(utag.format("kvshard") + f" width={width} ok={kv_ok}")
+            for name, cfg in runs[:3]:
+                got = generate(ulysses, ids, cfg, attention_mask=mask).numpy()
+                want = generate(single, ids, cfg, attention_mask=mask).numpy()
+                say(utag.format(name) + f" width={width} equal={np.array_equal(got, want)} tokens={got.tolist()}")
+        del ulysses
 
 # a rank handed a different prompt: the same ValueError on every rank, no hang
 ids, mask, _ = padded_batch(model.vocab_size, 70)

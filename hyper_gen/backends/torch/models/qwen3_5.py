@@ -42,7 +42,9 @@ rank's block masked, local lookup) with one more. The LM head returns this rank'
 Context parallelism (``load(..., cp_plan=CPPlan(cp, rank))``; contract: docs/model_contract.md,
 "Context parallelism"; bookkeeping: ``hyper_gen.parallel.cp_plan``): every rank gets the whole
 batch and prefills its run of 64-position chunks (``CPStep``); attention all-gathers K|V once per
-layer, Gated DeltaNet all-gathers the conv halo once and relays the recurrent state in rank order
+layer (``CPPlan.strategy`` "allgather", the default) or, with "ulysses", exchanges Q|K|V by one
+all-to-all for the whole sequence of ``1/cp`` of the heads and the output by a second; Gated
+DeltaNet all-gathers the conv halo once and relays the recurrent state in rank order
 (one all-gather per hand-over), so each rank runs one device's chunks with one device's float32
 arithmetic (float64 logits equal one device's). Each rank's cache holds its K/V slice; the last
 rank also appends every decode token's; a decode step merges the per-rank partial attention by
@@ -75,7 +77,7 @@ from hyper_gen.models.qwen3_5.shards import (
     MoEShard,
     vocab_rows,
 )
-from hyper_gen.parallel.cp_plan import CPLayout, CPPlan, Mesh
+from hyper_gen.parallel.cp_plan import CPLayout, CPPlan, Mesh, check_ulysses_heads
 from hyper_gen.parallel.tp_plan import TPPlan
 
 TORCH_DTYPES = {
@@ -172,6 +174,16 @@ class ContextParallel:
             x = torch.cat([x, x.new_zeros(shape)], dim=axis)
         parts = self.gather(x)
         return torch.cat([p.narrow(axis, 0, layout.length_of(r)) for r, p in enumerate(parts)], dim=axis)
+
+    def all_to_all(self, parts: list, shapes: list) -> list:
+        """Ulysses' exchange: ``parts[j]`` goes to rank j; rank i's piece for this rank, of shape
+        ``shapes[i]``, comes back in rank order (one all_to_all_single of the flattened pieces, with
+        uneven split sizes, which gloo and NCCL both support)."""
+        sizes = [int(np.prod(shape)) for shape in shapes]
+        send = torch.cat([p.reshape(-1) for p in parts])
+        received = send.new_empty(sum(sizes))
+        dist.all_to_all_single(received, send, sizes, [p.numel() for p in parts], group=self.group)
+        return [piece.view(shape) for piece, shape in zip(received.split(sizes), shapes)]
 
 
 class CPStep:
@@ -298,11 +310,31 @@ class GatedAttention(nn.Module):
         if step.decode:
             return self._attend_partial(query, key, value, mask, cache, step)
         step.store_prefill(cache, self.layer_idx, key, value)
+        if step.sharded and step.cp.plan.strategy == "ulysses":
+            return self._attend_ulysses(query, key, value, mask[..., :width], step)
         if step.sharded:
             d = key.shape[-1]
             key, value = step.cp.gather_sequence(torch.cat([key, value], dim=-1), step.layout, axis=2).split(d, -1)
             mask = mask[:, :, step.start : step.stop]
         return self._attend(query, key, value, mask[..., :width])
+
+    def _attend_ulysses(self, query, key, value, mask, step: CPStep):
+        """Sharded prefill, Ulysses: an all-to-all turns this rank's slice of Q|K|V for every head
+        into the whole sequence for its ``1/cp`` of the heads (query heads ``[j h/cp, (j+1) h/cp)``
+        with their KV heads ``[j kv/cp, (j+1) kv/cp)``), causal attention runs there with the
+        global mask, and a second all-to-all gives each rank its slice's output for every head."""
+        cp, layout = step.cp.plan.cp, step.layout
+        b, h, n, d = query.shape
+        kv = key.shape[1]
+        hq, hk = h // cp, kv // cp
+        heads = torch.cat([x.reshape(b, cp, -1, n, d) for x in (query, key, value)], dim=2)  # (B, cp, hq+2hk, n, D)
+        shapes = [(b, hq + 2 * hk, layout.length_of(r), d) for r in range(cp)]
+        pieces = step.cp.all_to_all(list(heads.unbind(1)), shapes)
+        q, k, v = torch.cat(pieces, dim=2).split([hq, hk, hk], dim=1)  # the whole sequence, these heads
+        out = self._attend(q, k, v, mask)  # (B, hq, width, D)
+        slices = [out[:, :, layout.starts[r] : layout.stops[r]] for r in range(cp)]
+        pieces = step.cp.all_to_all(slices, [(b, hq, n, d)] * cp)
+        return torch.cat(pieces, dim=1)  # (B, h, n, D): this rank's slice, every head in order
 
     def _attend_partial(self, query, key, value, mask, cache, step: CPStep):
         """One decode token: this rank's (output, log-sum-exp) over its keys, then the merge."""
@@ -325,11 +357,12 @@ class GatedAttention(nn.Module):
 
     def _attend(self, query, key, value, mask):
         b, h, s, d = query.shape
-        groups = h // self.num_kv_heads
+        kv = key.shape[1]  # this layer's KV heads (Ulysses: this rank's share of them)
+        groups = h // kv
         if groups > 1 and s == 1:
             # decode: the query heads sharing a KV head become rows of one (no KV copy)
             out = F.scaled_dot_product_attention(
-                query.reshape(b, self.num_kv_heads, groups, d), key, value, attn_mask=mask, scale=self.scale
+                query.reshape(b, kv, groups, d), key, value, attn_mask=mask, scale=self.scale
             )
             return out.reshape(b, h, 1, d)
         return F.scaled_dot_product_attention(
@@ -923,6 +956,10 @@ def load(
     config = Qwen3_5Config.from_dict(checkpoint.config)
     shard = describe(checkpoint, config, plan)  # every split checked, before any weight is read
     cp_plan = CPPlan.resolve(cp_plan)
+    if cp_plan.strategy == "ulysses":
+        attention = next((layer.mixer for layer in shard.layers if isinstance(layer.mixer, AttentionShard)), None)
+        if attention is not None:
+            check_ulysses_heads(cp_plan.cp, attention.num_heads, attention.num_kv_heads)
     cp_group = None
     if cp_plan.cp > 1:
         group, cp_group = _mesh_groups(shard.plan, cp_plan, group)
