@@ -26,7 +26,11 @@ over the state quickly, so products are ``MulNoNan`` (identical but for ``inf * 
 decays as ``S / exp(-g)``; ``BatchMatMul`` with transpose flags instead of transposed copies;
 rotary as one matmul with a +-1 rotation matrix; ``mint.nn.functional.softplus`` (exact in
 float64, unlike ``ops.softplus``); sub-cells are called through ``construct`` (``Cell.__call__``
-adds a per-call overhead).
+adds a per-call overhead). A one-token forward goes further: its fixed-shape blocks (a whole
+Gated DeltaNet layer, an attention layer before and after its cache, the final norm and LM head)
+are compiled once per batch size with ``mindspore.jit`` ("compiled decode blocks" below; bitwise
+the PyNative results), so a decode step is ~11 graph launches and ~15 PyNative ops instead of
+~450 PyNative ops on the mid shape.
 
 Precision: float32 and float64 models compute everything in their own dtype; float16 models keep
 what HF upcasts (norms, softmax, rotary tables, the delta rule and its state) in float32. The
@@ -61,6 +65,7 @@ decode tokens) and decode merges the per-rank partial attention by log-sum-exp i
 
 from __future__ import annotations
 
+import os
 from typing import Dict, List
 
 import mindspore as ms
@@ -217,6 +222,16 @@ _softmax = mint.nn.functional.softmax
 _glu = mint.nn.functional.glu
 
 
+def _mul_tiled(x: Tensor, y: Tensor) -> Tensor:
+    """``x * y`` with ``y`` broadcast to x's shape by ``ops.tile`` first: MindSpore CPU's
+    broadcasting MulNoNan is 2-3x slower than tiling a per-channel or per-row factor and
+    multiplying same-shape tensors (the same products, bitwise). For the large prefill operands."""
+    y = y.reshape((1,) * (x.ndim - y.ndim) + tuple(y.shape))
+    if tuple(y.shape) != tuple(x.shape):
+        y = ops.tile(y, tuple(a // c for a, c in zip(x.shape, y.shape)))
+    return _mul(x, y)
+
+
 def _silu(x: Tensor) -> Tensor:
     return _mul(x, _sigmoid(x))
 
@@ -273,6 +288,22 @@ def _ones(shape: tuple, dtype) -> Tensor:
     return _CONSTANTS[key]
 
 
+def _zeros(shape: tuple, dtype) -> Tensor:
+    """A cached all-zeros tensor (never written: every use concatenates it). Padding by
+    concatenation: ``ops.pad`` takes ~40x longer than ``concat`` with zeros on MindSpore CPU."""
+    key = ("zeros", tuple(shape), dtype)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = ops.zeros(tuple(shape), dtype)
+    return _CONSTANTS[key]
+
+
+def _pad_axis(x: Tensor, axis: int, pad: int) -> Tensor:
+    """``x`` with ``pad`` zeros appended along ``axis``."""
+    shape = list(x.shape)
+    shape[axis] = pad
+    return ops.concat([x, _zeros(tuple(shape), x.dtype)], axis)
+
+
 def _chunk_constants(size: int, dtype) -> tuple:
     """(upper, strict_lower, eye) for one chunk size: -inf above the diagonal (added before exp),
     1 strictly below it, and the identity."""
@@ -310,47 +341,56 @@ def _chunk_terms(q, k, v, g, beta, chunk: int = 0) -> dict:
     n = -(-s // size)
     pad = n * size - s
     if pad:
-        q, k, v = (ops.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (ops.pad(t, (0, pad)) for t in (g, beta))
+        q, k, v = (_pad_axis(t, 2, pad) for t in (q, k, v))
+        g, beta = (_pad_axis(t, 2, pad) for t in (g, beta))
     q = q.reshape(b, h, n, size, dk)
     k = k.reshape(b, h, n, size, dk)
     v = v.reshape(b, h, n, size, dv)
     beta = beta.reshape(b, h, n, size, 1)
     cum = ops.cumsum(g.reshape(b, h, n, size), -1)  # log decay from the chunk start
     upper, strict_lower, eye = _chunk_constants(size, cum.dtype)
-    decay = ops.exp(cum[..., :, None] - cum[..., None, :] + upper)  # (.., i, j): decay j -> i, 0 for j > i
-    k_t = k.swapaxes(-1, -2)
-    k_beta = k * beta
-    system = eye + ops.matmul(k_beta, k_t) * decay * strict_lower
-    exp_cum = ops.exp(cum)[..., None]
-    solved = _solve_lower(system, ops.concat([v * beta, k_beta * exp_cum], -1))
+    # (.., i, j): decay j -> i, 0 for j > i. Products are MulNoNan and sums Add / Sub, as in decode
+    # (module docstring: the Tensor operators dispatch the slower Mul); no operand is inf or nan
+    decay = _exp(_add(_sub(cum[..., :, None], cum[..., None, :]), upper))
+    k_beta = _mul_tiled(k, beta)
+    system = _add(eye, _mul_tiled(_mul(_bmm_tb(k_beta, k), decay), strict_lower))
+    exp_cum = _exp(cum)[..., None]
+    solved = _solve_lower(system, ops.concat([_mul_tiled(v, beta), _mul_tiled(k_beta, exp_cum)], -1))
     return {
         "length": s,
         "padded": bool(pad),
         "shape": (b, h, dk, dv),
         "values": solved[..., :dv],
         "k_cumdecay": solved[..., dv:],
-        "intra": ops.matmul(q, k_t) * decay,
-        "q": q * exp_cum,
-        "k_t": (k * ops.exp(cum[..., -1:] - cum)[..., None]).swapaxes(-1, -2),
-        "chunk_decay": ops.exp(cum[..., -1])[..., None, None],
+        "intra": _mul(_bmm_tb(q, k), decay),
+        "q": _mul_tiled(q, exp_cum),
+        "k_t": _mul_tiled(k, _exp(_sub(cum[..., -1:], cum))[..., None]).swapaxes(-1, -2),
+        "chunk_decay": _exp(cum[..., -1])[..., None, None],
         "dtype": cum.dtype,
     }
 
 
-def _chunk_scan(terms: dict, state):
-    """The chunks in order, carrying the recurrent state: (output (B, H, S, Dv), final state)."""
+def _chunk_scan(terms: dict, state, trim: bool = True):
+    """The chunks in order, carrying the recurrent state: (output (B, H, S, Dv), final state);
+    ``trim=False`` keeps the padded chunk positions (contiguous, for ``_gather_rows``)."""
     values, k_cumdecay, intra = terms["values"], terms["k_cumdecay"], terms["intra"]
     q, k_t, chunk_decay = terms["q"], terms["k_t"], terms["chunk_decay"]
     if state is None:
         state = ops.zeros(terms["shape"], terms["dtype"])
     outputs = []
     for i in range(values.shape[2]):
-        v_new = values[:, :, i] - ops.matmul(k_cumdecay[:, :, i], state)
-        outputs.append(ops.matmul(q[:, :, i], state) + ops.matmul(intra[:, :, i], v_new))
-        state = state * chunk_decay[:, :, i] + ops.matmul(k_t[:, :, i], v_new)
+        v_new = _sub(values[:, :, i], _bmm(k_cumdecay[:, :, i], state))
+        outputs.append(_add(_bmm(q[:, :, i], state), _bmm(intra[:, :, i], v_new)))
+        state = _add(_mul(state, chunk_decay[:, :, i]), _bmm(k_t[:, :, i], v_new))
     out = outputs[0] if len(outputs) == 1 else ops.concat(outputs, 2)
-    return (out[:, :, : terms["length"]] if terms["padded"] else out), state
+    return (out[:, :, : terms["length"]] if terms["padded"] and trim else out), state
+
+
+def _gather_rows(rows: Tensor, index: np.ndarray, shape: tuple) -> Tensor:
+    """``rows[index]`` as ``shape``: the head-major copy of token-major rows (or back) by one
+    Gather. MindSpore CPU copies a transposed view ~7x slower (1M floats: 5.4 ms vs 0.7 ms), and
+    every kernel given such a view makes that copy first; a Gather is an exact copy."""
+    return ops.gather(rows, Tensor(index.reshape(-1).astype(np.int32)), 0).reshape(shape)
 
 
 def _recurrent_step(q, k, v, inv_decay, beta, state):
@@ -570,6 +610,18 @@ class GatedAttention(nn.Cell):
             out = out.reshape(b, nh, s, d).transpose(0, 2, 1, 3).reshape(n, nh * d)
         return _matmul(_mul(out, _sigmoid(gate)), self.o_t)
 
+    def attend_one(self, q, k, v, attention_mask, cache, cp_step, dtype):
+        """One decode token's attention over the cache (after ``_attention_pre_rows``): q
+        (B, nkv, group, D), k, v (B, nkv, 1, D) -> (B, nh * D) in ``dtype``; ``construct`` op for op."""
+        b = q.shape[0]
+        if cp_step is not None:
+            out = self._attend_partial(q, k, v, attention_mask, cache, cp_step)
+        else:
+            keys, values = cache.update(k, v, self.layer_idx)
+            scores = _add(_bmm_tb(q, keys), attention_mask)  # (B, 1, 1, T) over (B, nkv, group, T)
+            out = _bmm(_cast(_softmax(_cast(scores, self.acc), -1), dtype), values)
+        return _cast(out, dtype).reshape(b, self.num_heads * self.head_dim)
+
     def _attend_partial(self, q, k, v, mask, cache, step: CPStep):
         """One decode token under context parallelism: this rank's (output, log-sum-exp) over its
         cached slice, merged over the ranks (``CPStep.merge_attention``); (B, nkv, group, D)."""
@@ -646,17 +698,25 @@ class GatedDeltaNet(nn.Cell):
 
     def _conv_sequence(self, mixed, state, cache):
         """The conv over (B, S, channels) as a sum of shifted multiplies (no float64 conv1d kernel
-        on CPU), continuing from ``state`` when there is one."""
+        on CPU), continuing from ``state`` when there is one. The rows are shifted as one flat
+        (B * (S + kernel - 1), channels) sequence, whose shifted slices are contiguous (a strided
+        slice per row copies ~10x slower on MindSpore CPU); the outputs that straddle two rows
+        are dropped once at the end."""
         b, s, c = mixed.shape
+        keep = self.kernel - 1
         if state is None:
-            padded = ops.pad(mixed, (0, 0, self.kernel - 1, 0))
+            padded = ops.concat([_zeros((b, keep, c), mixed.dtype), mixed], 1)
         else:
             padded = ops.concat([mint.transpose(state, 1, 2), mixed], 1)
         cache.conv_states[self.layer_idx] = mint.transpose(padded[:, s:], 1, 2)
-        padded = _cast(padded, self.conv_t.dtype)
-        out = padded[:, :s] * self.conv_taps[0]
+        width = s + keep
+        flat = _cast(padded, self.conv_t.dtype).reshape(b * width, c)
+        rows = b * width - keep
+        out = _mul_tiled(flat[:rows], self.conv_taps[0])
         for j in range(1, self.kernel):
-            out = out + padded[:, j : j + s] * self.conv_taps[j]
+            out = _add(out, _mul_tiled(flat[j : j + rows], self.conv_taps[j]))
+        if b > 1:
+            out = ops.concat([out, _zeros((keep, c), out.dtype)], 0).reshape(b, width, c)[:, :s]
         return _silu(_cast(out, mixed.dtype)).reshape(b * s, c)
 
     def _conv_context_parallel(self, mixed, cp_step: CPStep, cache):
@@ -709,7 +769,8 @@ class GatedDeltaNet(nn.Cell):
             mixed = self._conv_sequence(mixed.reshape(b, s, self.conv_dim), conv_state, cache)
         acc = self.acc
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        qk, v = mint.split(_cast(mixed, acc), (2 * self.key_dim, self.value_dim), -1)
+        mixed = _cast(mixed, acc)
+        qk, v = mint.split(mixed, (2 * self.key_dim, self.value_dim), -1)
         qk = qk.reshape(n, 2 * nk, dk)
         qk = _div(qk, _sqrt(_add(_sum_last(_square(qk), -1), self.l2_eps)))  # l2 norm
         q, k = mint.split(qk, (nk, nk), 1)
@@ -723,15 +784,31 @@ class GatedDeltaNet(nn.Cell):
                 q, k, v.reshape(b, nv, 1, dv), _exp(neg_g).reshape(b, nv, 1, 1), beta.reshape(b, nv, 1, 1), state
             )
         else:
-            q, k = (t.reshape(b, s, nv, dk).transpose(0, 2, 1, 3) for t in (q, k))
-            v = v.reshape(b, s, nv, dv).transpose(0, 2, 1, 3)
+            # (B, heads, S, D) copies of the token-major q / k / v by Gather (``_gather_rows``): row
+            # (token, head) of qk is token * 2nk + head (k after the nk q heads), of mixed
+            # token * (conv_dim / dv) + 2 key_dim / dv + head; value head j reads key head j // (nv / nk)
+            tokens = np.arange(b)[:, None, None] * s + np.arange(s)[None, None, :]  # (B, 1, S)
+            key_head = (np.arange(nv) // (nv // nk))[None, :, None]
+            rows = qk.reshape(n * 2 * nk, dk)
+            q = _gather_rows(rows, tokens * (2 * nk) + key_head, (b, nv, s, dk))
+            k = _gather_rows(rows, tokens * (2 * nk) + nk + key_head, (b, nv, s, dk))
+            if mixed.is_contiguous() and self.conv_dim % dv == 0 and (2 * self.key_dim) % dv == 0:
+                per_token = self.conv_dim // dv
+                value_rows = tokens * per_token + 2 * self.key_dim // dv + np.arange(nv)[None, :, None]
+                v = _gather_rows(mixed.reshape(n * per_token, dv), value_rows, (b, nv, s, dv))
+            else:
+                v = v.reshape(b, s, nv, dv).transpose(0, 2, 1, 3)
             g = ops.neg(neg_g).reshape(b, s, nv).transpose(0, 2, 1)
             beta = beta.reshape(b, s, nv).transpose(0, 2, 1)
             if sharded:
                 out, state = self._relayed_chunks(q, k, v, g, beta, cp_step)
+                out = out.transpose(0, 2, 1, 3)
             else:
-                out, state = _chunked_delta_rule(q, k, v, g, beta, state)
-            out = out.transpose(0, 2, 1, 3)
+                out, state = _chunk_scan(_chunk_terms(q, k, v, g, beta), state, trim=False)
+                length = out.shape[2]  # padded to whole chunks: row (b, head, position)
+                out_rows = (np.arange(b)[:, None, None] * nv + np.arange(nv)[None, None, :]) * length
+                out_rows = out_rows + np.arange(s)[None, :, None]  # (B, S, nv)
+                out = _gather_rows(out.reshape(-1, dv), out_rows, (n, nv, dv))
         cache.recurrent_states[self.layer_idx] = state
         # gated RMSNorm over each value head, with HF's casts (exact no-ops in float32/float64);
         # its weight is in out_t
@@ -812,6 +889,152 @@ class SparseMoE(nn.Cell):
         return _add(routed, shared)
 
 
+# ----------------------------------------------------------------------------------------------
+# compiled decode blocks (mindspore.jit)
+#
+# A one-token step runs hundreds of small kernels; launched one by one from Python (PyNative)
+# each pays the dispatch cost again. The fixed-shape parts of a decode step are therefore
+# compiled once (``mindspore.jit``, graph mode, the same kernels, bitwise the same results):
+# a whole Gated DeltaNet layer (norm, projections, conv, delta rule, gated norm, MLP), an attention
+# layer's part before the cache (norm, q|k|v|gate, q/k norms, rotary) and after it (gate, o_proj,
+# MLP), and the final norm with the LM head. Weights are arguments, not constants, so every layer
+# of a kind shares one compiled graph per (shape, dtype); the sizes are closed over.
+# What stays in PyNative: the cache writes and the attention over the cached keys (their length
+# grows every step), MoE routing (host), the tensor-parallel sums (collectives) and every prefill.
+
+# True ($HYPER_GEN_MINDSPORE_JIT=1): one-token forwards run the compiled blocks; False (default): all
+# PyNative. Opt-in because a compiled graph's rows are not bitwise those of another batch size's graph
+# (PyNative's are): the in-flight engine's "same tokens as generate() whatever else is in the batch"
+# fails under it; and a new batch size compiles once (~1-3 s on CPU) before its first step.
+COMPILED_DECODE = os.environ.get("HYPER_GEN_MINDSPORE_JIT", "0") == "1"
+_COMPILED: Dict[tuple, object] = {}
+
+
+def _compiled(key: tuple, make):
+    """The jitted function ``make()`` builds, once per ``key`` (sizes and dtypes)."""
+    if key not in _COMPILED:
+        _COMPILED[key] = ms.jit(make())
+    return _COMPILED[key]
+
+
+def _mlp_rows(x, eps, up_gate_t, down_t, inter):
+    """The dense MLP residual branch of (N, hidden) rows: its post-attention RMSNorm included."""
+    up_gate = _matmul(_rms_norm(x, eps), up_gate_t)
+    return _matmul(_mul(_glu(up_gate, -1), up_gate[:, inter:]), down_t)  # (no float64 NarrowView in graphs)
+
+
+def _delta_step_rows(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps, sizes):
+    """One decode token of a Gated DeltaNet mixer on (B, hidden) rows, its input RMSNorm included:
+    (partial output, new conv state, new recurrent state); ``GatedDeltaNet.construct`` op for op."""
+    conv_dim, value_dim, nk, nv, dk, dv, acc = sizes
+    b = x.shape[0]
+    mixed, z, beta, a_in = mint.split(_matmul(_rms_norm(x, eps), in_proj_t), (conv_dim, value_dim, nv, nv), -1)
+    window = ops.concat([mint.transpose(conv_state, 1, 2), mixed.reshape(b, 1, conv_dim)], 1)  # (B, kernel, C)
+    new_conv = mint.transpose(window[:, 1:], 1, 2)
+    taps = _mul(_cast(window, conv_t.dtype), conv_t)
+    mixed = _silu(_cast(_bmm(ones, taps).reshape(b, conv_dim), mixed.dtype))
+    qk, v = mint.split(_cast(mixed, acc), (2 * nk * dk, value_dim), -1)
+    qk = qk.reshape(b, 2 * nk, dk)
+    qk = _div(qk, _sqrt(_add(_sum_last(_square(qk), -1), l2_eps)))  # l2 norm
+    q, k = mint.split(qk, (nk, nk), 1)
+    if nk != nv:  # value head j reads key head j // (nv / nk)
+        q = ops.broadcast_to(q.reshape(b, nk, 1, dk), (b, nk, nv // nk, dk))
+        k = ops.broadcast_to(k.reshape(b, nk, 1, dk), (b, nk, nv // nk, dk))
+    beta = _sigmoid(_cast(beta, acc))
+    neg_g = _mul(_softplus(_add(_cast(a_in, acc), dt_bias)), a)
+    out, state = _recurrent_step(
+        q.reshape(b, nv, 1, dk),
+        k.reshape(b, nv, 1, dk),
+        v.reshape(b, nv, 1, dv),
+        _exp(neg_g).reshape(b, nv, 1, 1),
+        beta.reshape(b, nv, 1, 1),
+        state,
+    )
+    out = _cast(_cast(out, x.dtype), acc).reshape(b, nv, dv)
+    out = _cast(_cast(_normalize(out, gated_eps), x.dtype), acc)
+    out = _mul(out.reshape(b, value_dim), _silu(_cast(z, acc)))
+    return _matmul(_cast(out, x.dtype), out_t), new_conv, state
+
+
+def _attention_pre_rows(x, eps, qkv_t, norm_eps, qk_norm, rotate, cos, sin, sizes):
+    """One decode token of gated attention up to the cache, its input RMSNorm included:
+    q (B, nkv, group, D), k, v (B, nkv, 1, D) and the gate logits (B, nh * D)."""
+    nh, nkv, d, acc = sizes
+    b, heads = x.shape[0], nh + nkv
+    split = ((nh + nkv) * d, nkv * d, nh * d)
+    qk, v, gate = mint.split(_matmul(_rms_norm(x, eps), qkv_t), split, -1)
+    qk = _cast(_mul(_normalize(_cast(qk.reshape(b, heads, d), acc), norm_eps), qk_norm), x.dtype)
+    rotated = _matmul(qk.reshape(b * heads, d), rotate).reshape(b, heads, d)
+    q, k = mint.split(_add(_mul(qk, cos), _mul(rotated, sin)), (nh, nkv), 1)
+    return q.reshape(b, nkv, nh // nkv, d), k.reshape(b, nkv, 1, d), v.reshape(b, nkv, 1, d), gate
+
+
+def _attention_out_rows(out, gate, o_t):
+    """The gated attention output projection of (B, nh * D) rows (a partial sum under TP)."""
+    return _matmul(_mul(out, _sigmoid(gate)), o_t)
+
+
+def _delta_layer_kernel(sizes, inter):
+    """A whole Gated DeltaNet decoder layer with a dense MLP (tp 1): (x, conv state, state)."""
+
+    def layer(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps, up, down):
+        o, conv_state, state = _delta_step_rows(
+            x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps, sizes
+        )
+        x = _add(x, o)
+        return _add(x, _mlp_rows(x, eps, up, down, inter)), conv_state, state
+
+    return layer
+
+
+def _delta_mixer_kernel(sizes):
+    def mixer(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps):
+        return _delta_step_rows(
+            x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps, sizes
+        )
+
+    return mixer
+
+
+def _attention_pre_kernel(sizes):
+    def pre(x, eps, qkv_t, norm_eps, qk_norm, rotate, cos, sin):
+        return _attention_pre_rows(x, eps, qkv_t, norm_eps, qk_norm, rotate, cos, sin, sizes)
+
+    return pre
+
+
+def _attention_post_kernel(inter):
+    """After the attention core (tp 1, dense MLP): both residual branches of the layer."""
+
+    def post(x, out, gate, o_t, eps, up, down):
+        x = _add(x, _attention_out_rows(out, gate, o_t))
+        return _add(x, _mlp_rows(x, eps, up, down, inter))
+
+    return post
+
+
+def _attention_out_kernel():
+    return _attention_out_rows
+
+
+def _mlp_kernel(inter):
+    def mlp(x, eps, up, down):
+        return _mlp_rows(x, eps, up, down, inter)
+
+    return mlp
+
+
+def _head_kernel():
+    """Final RMSNorm and the LM head blocks (concatenated) of (N, hidden) rows."""
+
+    def head(x, eps, norm, *blocks):
+        h = _cast(_mul(_normalize(_cast(x, eps.dtype), eps), norm), x.dtype)
+        logits = [_matmul(h, block) for block in blocks]
+        return logits[0] if len(logits) == 1 else ops.concat(logits, -1)
+
+    return head
+
+
 class DecoderLayer(nn.Cell):
     """Mixer and MLP residual blocks; ``partial_sum`` adds up their row-parallel outputs. The two
     norms' ``1 + w`` live in the mixer's and the MLP's input projections."""
@@ -835,12 +1058,61 @@ class DecoderLayer(nn.Cell):
         self.partial_sum = partial_sum
 
     def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None):
+        if s == 1 and COMPILED_DECODE and (cp_step is None or cp_step.decode):  # not a one-token CP prefill
+            out = self._decode(x, b, cos, sin, attention_mask, cache, cp_step)
+            if out is not None:
+                return out
         h = _rms_norm(x, self.eps)
         if self.is_attention:
             x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cos, sin, attention_mask, cache, cp_step)))
         else:
             x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cache, cp_step)))
         return _add(x, self.partial_sum(self.mlp.construct(_rms_norm(x, self.eps))))
+
+    def _decode(self, x, b, cos, sin, attention_mask, cache, cp_step):
+        """One token per row through the compiled blocks (None: a step they do not cover, a
+        Gated DeltaNet layer without a state yet)."""
+        whole = self.partial_sum.tp == 1 and isinstance(self.mlp, MLP)  # one compiled call for the layer
+        mlp = self.mlp
+        if self.is_attention:
+            att = self.mixer
+            sizes = (att.num_heads, att.num_kv_heads, att.head_dim, att.acc)
+            pre = _compiled(("attention_pre", sizes), lambda: _attention_pre_kernel(sizes))
+            q, k, v, gate = pre(x, self.eps, att.qkv_t, att.eps, att.qk_norm, att.rotate, cos, sin)
+            out = att.attend_one(q, k, v, attention_mask, cache, cp_step, x.dtype)
+            if whole:
+                post = _compiled(("attention_post", mlp.inter), lambda: _attention_post_kernel(mlp.inter))
+                return post(x, out, gate, att.o_t, self.eps, mlp.up_gate_t, mlp.down_t)
+            partial = _compiled(("attention_out",), _attention_out_kernel)(out, gate, att.o_t)
+        else:
+            mix, idx = self.mixer, self.mixer.layer_idx
+            conv_state, state = cache.conv_states.get(idx), cache.recurrent_states.get(idx)
+            if conv_state is None or state is None:
+                return None
+            sizes = (mix.conv_dim, mix.value_dim, mix.num_k_heads, mix.num_v_heads, mix.head_k_dim, mix.head_v_dim)
+            sizes += (mix.acc,)
+            args = (
+                x,
+                conv_state,
+                state,
+                self.eps,
+                mix.in_proj_t,
+                mix.conv_t,
+                _ones((b, 1, mix.kernel), mix.conv_t.dtype),
+            )
+            args += (mix.a, mix.dt_bias, mix.out_t, mix.l2_eps, mix.gated_norm_eps)
+            if whole:
+                layer = _compiled(("delta_layer", sizes, mlp.inter), lambda: _delta_layer_kernel(sizes, mlp.inter))
+                x, cache.conv_states[idx], cache.recurrent_states[idx] = layer(*args, mlp.up_gate_t, mlp.down_t)
+                return x
+            mixer = _compiled(("delta_mixer", sizes), lambda: _delta_mixer_kernel(sizes))
+            partial, cache.conv_states[idx], cache.recurrent_states[idx] = mixer(*args)
+        x = _add(x, self.partial_sum(partial))
+        if isinstance(mlp, MLP):
+            out = _compiled(("mlp", mlp.inter), lambda: _mlp_kernel(mlp.inter))(x, self.eps, mlp.up_gate_t, mlp.down_t)
+        else:
+            out = mlp.construct(_rms_norm(x, self.eps))
+        return _add(x, self.partial_sum(out))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -968,9 +1240,12 @@ class Qwen3_5ForCausalLM(nn.Cell):
         elif logits_to_keep and logits_to_keep < s:
             kept = logits_to_keep
             x = x.reshape(b, s, -1)[:, -kept:].reshape(b * kept, -1)
-        h = _cast(_mul(_normalize(_cast(x, self.eps.dtype), self.eps), self.norm), x.dtype)
-        logits = [_matmul(h, block) for block in self.lm_head]
-        logits = logits[0] if len(logits) == 1 else ops.concat(logits, -1)
+        if s == 1 and kept == 1 and COMPILED_DECODE:  # (a prefill's last row is a view: a new graph key)
+            logits = _compiled(("head",), _head_kernel)(x, self.eps, self.norm, *self.lm_head)
+        else:
+            h = _cast(_mul(_normalize(_cast(x, self.eps.dtype), self.eps), self.norm), x.dtype)
+            logits = [_matmul(h, block) for block in self.lm_head]
+            logits = logits[0] if len(logits) == 1 else ops.concat(logits, -1)
         return {"logits": logits.reshape(b, kept, -1)}
 
     def _cp_step(self, cache, seq: int) -> CPStep:
