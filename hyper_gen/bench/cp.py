@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 
-from hyper_gen import registry
 from hyper_gen.cache import make_cache
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
@@ -28,20 +27,11 @@ from hyper_gen.masks import prefill_mask
 
 def run_cp(args):
     from hyper_gen.models.loading import load_model
-    from hyper_gen.parallel.launcher import host_ops, init_distributed
 
     from .host import describe_host
-    from .models import SHAPES, make_checkpoint
+    from .models import SHAPES, join_with_checkpoint
 
-    if not init_distributed(args.backend):
-        raise SystemExit("hyper-gen bench cp: launch it with torchrun --nproc_per_node 2 or msrun --worker_num=2")
-    ops = host_ops(args.backend)
-    rank, world = ops.rank(), ops.world_size()
-    threads = registry.adapter(args.backend).limit_threads(1)  # ranks share the host's cores
-    if rank == 0:
-        path = make_checkpoint(args.shape, args.cache_dir)
-    ops.all_reduce(ops.asarray(np.zeros(1, np.float32)))  # rank 0 has written the checkpoint
-    path = make_checkpoint(args.shape, args.cache_dir)
+    ops, rank, world, threads, path = join_with_checkpoint(args, "cp")
     ids = np.random.default_rng(0).integers(3, SHAPES[args.shape]["vocab_size"], (args.batch, args.prompt_len))
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_id=None)
     results, outputs = {}, {}

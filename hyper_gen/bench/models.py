@@ -75,6 +75,24 @@ def make_checkpoint(shape: str, cache_dir: str) -> str:
     return path
 
 
+def join_with_checkpoint(args, bench: str):
+    """For a multi-rank bench: join the launcher's job, one thread per rank (they share the host's
+    cores), and the random checkpoint of ``args.shape``, written once by rank 0 and read by all.
+    Returns (host ops, rank, world size, what the thread limit did, checkpoint path)."""
+    from hyper_gen import registry
+    from hyper_gen.parallel.launcher import host_ops, init_distributed
+
+    if not init_distributed(args.backend):
+        raise SystemExit(f"hyper-gen bench {bench}: launch it with torchrun --nproc_per_node 2 or msrun --worker_num=2")
+    ops = host_ops(args.backend)
+    rank, world = ops.rank(), ops.world_size()
+    threads = registry.adapter(args.backend).limit_threads(1)
+    if rank == 0:
+        make_checkpoint(args.shape, args.cache_dir)
+    ops.all_reduce(ops.asarray(np.zeros(1, np.float32)))  # rank 0 has written the checkpoint
+    return ops, rank, world, threads, make_checkpoint(args.shape, args.cache_dir)
+
+
 def matvec_bandwidth(seconds: float = 1.0) -> float:
     """Bytes/s of a float32 matrix-vector product over a 256 MB matrix (torch, this process's threads)."""
     import torch
