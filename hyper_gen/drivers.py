@@ -147,7 +147,10 @@ class _Driver:
             position_ids=self._device(np.zeros((1, 1), dtype=np.int64), "int64", "position_ids"),
             attention_mask=None,
             past_key_values=None,
+            **self._dummy_extra,
         )
+
+    _dummy_extra: dict = {}  # what a contract adds to the dummy forward (cache-object models: logits_to_keep)
 
     def _call(self, ids, **kwargs):
         """The model on ``ids`` with the keywords its forward accepts (errors propagate)."""
@@ -266,6 +269,8 @@ class ReturnedCacheDriver(_Driver):
 class CacheObjectDriver(_Driver):
     """Contract 2 (docs/model_contract.md): the model writes into a cache object in place."""
 
+    _dummy_extra = {"logits_to_keep": 1}
+
     def __init__(self, *args):
         super().__init__(*args)
         self.use_cache = self.config.use_cache and self.signature.accepts("past_key_values")
@@ -304,15 +309,6 @@ class CacheObjectDriver(_Driver):
             for layer in list(store):
                 store[layer] = self.ops.take(store[layer], rows, 0)
         cache.batch_size = len(rows)
-
-    def dummy_step(self) -> None:
-        self._call(
-            self.ops.asarray(self.prompt.ids[:1, -1:], "int64"),
-            position_ids=self._device(np.zeros((1, 1), dtype=np.int64), "int64", "position_ids"),
-            attention_mask=None,
-            past_key_values=None,
-            logits_to_keep=1,
-        )
 
     def _call_decode(self, tokens_device, positions, mask):
         output = self._call(

@@ -204,10 +204,10 @@ class _DecodeLoop:
                     recorder.record(raw, selector.last_scores, tokens_device)
                 if needs_ids:
                     ids_view = ops.concat([ids_view, tokens_device], 1)
-                running = unfinished.copy()
+                running = unfinished.copy() if self.stops is not None else None  # before EOS ends rows
                 if eos.size:
                     unfinished &= ~np.isin(tokens, eos)
-                if self.stops is not None:
+                if running is not None:
                     unfinished &= ~self.stops.check(tokens, running)
                 stop = apply_stopping_criteria(config.stopping_criteria, ids_view, raw, batch)
                 if stop is not None:
