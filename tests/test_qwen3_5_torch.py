@@ -86,3 +86,66 @@ def test_matrices_are_stored_in_out(models, checkpoint_dir, dtype):
     assert torch.equal(tied.embed_tokens.t(), rows)  # the head's matrix is the checkpoint's embedding
     embedded = tied._embed(ids)
     assert embedded.is_contiguous() and torch.equal(embedded, rows[ids])  # contiguous: norms sum as HF's
+
+
+def _padded_prompts(lengths, seed=0):
+    """A left-padded (ids, mask) batch of prompts of ``lengths``."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width), generator=generator)
+    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_left_padded_prefill_packs_the_real_tokens(models, monkeypatch, variant, dtype):
+    """The row-wise work of a left-padded prefill runs on the real tokens only (TokenPacking): same
+    greedy tokens and the same logits at every step as the padded layout (float64 to 1e-12), the
+    row with 130 positions of padding (two all-padding chunks of the delta rule) included."""
+    from hyper_gen.backends.torch.models import qwen3_5 as port
+    from hyper_gen.config import GenerationConfig
+    from hyper_gen.generation import generate
+
+    model = models(variant, dtype)
+    ids, mask = _padded_prompts([133, 3, 70, 129])
+    config = GenerationConfig(max_new_tokens=5, return_dict_in_generate=True, output_logits=True)
+    packed_rows = []
+    real_of = port.TokenPacking.of
+
+    def spy(prompt_mask):
+        packing = real_of(prompt_mask)
+        packed_rows.append(None if packing is None else packing.index.numel())
+        return packing
+
+    monkeypatch.setattr(port.TokenPacking, "of", staticmethod(spy))
+    packed = generate(model, ids, config, attention_mask=mask)
+    assert packed_rows[0] == int(mask.sum()) and all(n is None for n in packed_rows[1:])  # decode: no padding
+    monkeypatch.setattr(port.TokenPacking, "of", staticmethod(lambda prompt_mask: None))
+    padded = generate(model, ids, config, attention_mask=mask)
+    assert torch.equal(torch.as_tensor(packed.sequences), torch.as_tensor(padded.sequences))
+    tolerance = 1e-12 if dtype == "float64" else 1e-5
+    for a, b in zip(packed.logits, padded.logits):
+        assert (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item() <= tolerance
+
+
+def test_batched_recurrent_step_is_the_elementwise_step():
+    """The float32 decode step through bmm computes HF's elementwise step (to 1e-12 in float64 inputs)."""
+    from hyper_gen.backends.torch.models.qwen3_5 import recurrent_gated_delta_step, recurrent_gated_delta_step_bmm
+
+    generator = torch.Generator().manual_seed(0)
+    b, h, dk, dv = 3, 4, 16, 8
+    query, key = (
+        torch.nn.functional.normalize(torch.randn(b, h, dk, generator=generator, dtype=torch.float64), dim=-1)
+        for _ in range(2)
+    )
+    value = torch.randn(b, h, dv, generator=generator, dtype=torch.float64)
+    decay = -torch.rand(b, h, generator=generator, dtype=torch.float64)
+    beta = torch.rand(b, h, generator=generator, dtype=torch.float64)
+    state = torch.randn(b, h, dk, dv, generator=generator, dtype=torch.float64)
+    before = state.clone()
+    expected = recurrent_gated_delta_step(query, key, value, decay, beta, state)
+    got = recurrent_gated_delta_step_bmm(query, key, value, decay, beta, state)
+    assert torch.equal(state, before)  # the cache's state tensor is not written in place
+    for a, e in zip(got, expected):
+        assert a.shape == e.shape and (a - e).abs().max().item() < 1e-12

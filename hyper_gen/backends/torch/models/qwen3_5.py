@@ -281,10 +281,13 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention_mask, cache, cp_step: Optional[CPStep] = None):
-        b, s, _ = x.shape
+    def forward(self, x, cos, sin, attention_mask, cache, cp_step: Optional[CPStep] = None, packing=None):
+        projected = x @ self.qkv_proj
+        if packing is not None:
+            projected = packing.unpack(projected)
+        b, s, _ = projected.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        query_gate, key, value = (x @ self.qkv_proj).split([2 * h * d, kv * d, kv * d], dim=-1)
+        query_gate, key, value = projected.split([2 * h * d, kv * d, kv * d], dim=-1)
         query_gate = query_gate.view(b, s, h, 2 * d)
         query, gate = query_gate[..., :d], query_gate[..., d:].reshape(b, s, h * d)
         query = self.q_norm(query).transpose(1, 2)
@@ -299,6 +302,8 @@ class GatedAttention(nn.Module):
                 key, value = cache.update(key, value, self.layer_idx)
             out = self._attend(query, key, value, attention_mask)
         out = out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
+        if packing is not None:
+            out = packing.pack(out)
         return out @ self.o_proj
 
     def _attend_context_parallel(self, query, key, value, mask, cache, step: CPStep):
@@ -388,6 +393,29 @@ def chunk_gated_delta_rule(query, key, value, decay, beta, state: Optional[torch
     return _chunk_scan(_chunk_terms(query, key, value, decay, beta, chunk_size), state)
 
 
+def chunk_gated_delta_rule_left_padded(
+    query, key, value, decay, beta, leading_padding: list, chunk_size: int = CHUNK_SIZE
+):
+    """:func:`chunk_gated_delta_rule` from a zero state over a left-padded batch, skipping each
+    row's chunks of padding only: there q, k and v are zero, so the state stays exactly zero and
+    the output is zero. Rows are grouped by how many leading chunks they skip; the chunks kept
+    start where the padded layout's chunks start, so each row runs the same chunks as HF's."""
+    skips = [padding // chunk_size for padding in leading_padding]
+    if not any(skips):
+        return chunk_gated_delta_rule(query, key, value, decay, beta, None, chunk_size)
+    b, h, s, dk = key.shape
+    out = value.new_zeros(b, h, s, value.shape[-1])
+    state = value.new_zeros(b, h, dk, value.shape[-1])
+    for skip in sorted(set(skips)):
+        rows = torch.tensor([row for row, k in enumerate(skips) if k == skip], device=query.device)
+        start = skip * chunk_size
+        part = (t.index_select(0, rows)[:, :, start:] for t in (query, key, value, decay, beta))
+        out_rows, state_rows = chunk_gated_delta_rule(*part, None, chunk_size)
+        out[rows, :, start:] = out_rows
+        state[rows] = state_rows
+    return out, state
+
+
 def _chunk_terms(query, key, value, decay, beta, chunk_size: int = CHUNK_SIZE) -> dict:
     """Everything of the chunked delta rule that does not depend on the incoming state."""
     b, h, s, dk = key.shape
@@ -453,6 +481,21 @@ def recurrent_gated_delta_step(query, key, value, decay, beta, state: torch.Tens
     return out, state
 
 
+def recurrent_gated_delta_step_bmm(query, key, value, decay, beta, state: torch.Tensor):
+    """The same step as :func:`recurrent_gated_delta_step` through batched matrix products: the
+    state is read three times and written twice instead of the elementwise form's seven passes, which
+    sets the pace of a batched decode step. Float32 rounding differs from HF's order by ~1 ulp, so
+    float64 models keep the elementwise form (their float32 islands stay bitwise HF's)."""
+    b, h, dk, dv = state.shape
+    state = (state * decay.exp()[..., None, None]).view(b * h, dk, dv)  # a new tensor: the cache's is kept
+    key = key.reshape(b * h, 1, dk)
+    kv_mem = torch.bmm(key, state).view(b, h, dv)
+    delta = ((value - kv_mem) * beta.unsqueeze(-1)).view(b * h, 1, dv)
+    state = state.baddbmm_(key.transpose(1, 2), delta)
+    out = torch.bmm(query.reshape(b * h, 1, dk), state).view(b, h, dv)
+    return out, state.view(b, h, dk, dv)
+
+
 class GatedDeltaNet(nn.Module):
     """Linear attention with a gated delta rule (Qwen3.5's 3-in-4 token mixer).
 
@@ -487,9 +530,8 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.head_v_dim))
         self.out_proj = nn.Parameter(torch.empty(self.value_dim, config.hidden_size))
 
-    def forward(self, x, cache, prompt_mask, cp_step: Optional[CPStep] = None):
-        b, s, _ = x.shape
-        if prompt_mask is not None:  # left padding contributes nothing to conv or recurrent state
+    def forward(self, x, cache, prompt_mask, cp_step: Optional[CPStep] = None, packing=None):
+        if packing is None and prompt_mask is not None:  # left padding adds nothing to conv or recurrent state
             x = (x * prompt_mask[:, :, None]).to(x.dtype)
         conv_state = recurrent_state = None
         if cache is not None:
@@ -497,6 +539,10 @@ class GatedDeltaNet(nn.Module):
             recurrent_state = cache.recurrent_states.get(self.layer_idx)
 
         mixed, z = (x @ self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
+        beta, decay = x @ self.in_proj_b, x @ self.in_proj_a
+        if packing is not None:  # padding positions: the zeros HF's masked input projects to
+            mixed, beta, decay = packing.unpack(mixed), packing.unpack(beta), packing.unpack(decay)
+        b, s, _ = mixed.shape
         sharded = cp_step is not None and cp_step.sharded
         if sharded:
             mixed, conv_state = self._conv_context_parallel(mixed.transpose(1, 2), cp_step)
@@ -506,20 +552,23 @@ class GatedDeltaNet(nn.Module):
         query = query.reshape(b, s, -1, self.head_k_dim)
         key = key.reshape(b, s, -1, self.head_k_dim)
         value = value.reshape(b, s, -1, self.head_v_dim)
-        beta = (x @ self.in_proj_b).sigmoid()
-        decay = self.neg_decay_rate * F.softplus((x @ self.in_proj_a).float() + self.dt_bias)
+        beta = beta.sigmoid()
+        decay = self.neg_decay_rate * F.softplus(decay.float() + self.dt_bias)
 
         out, recurrent_state = self._delta_rule(
-            query, key, value, decay, beta, recurrent_state, cp_step if sharded else None
+            query, key, value, decay, beta, recurrent_state, cp_step if sharded else None, packing
         )
         if cache is not None:
             cache.conv_states[self.layer_idx] = conv_state
             cache.recurrent_states[self.layer_idx] = recurrent_state
 
+        if packing is not None:
+            out = packing.pack(out.reshape(b, s, self.value_dim))
+        shape = z.shape
         out = gated_rms_norm(
             out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps
         )
-        return out.reshape(b, s, self.value_dim) @ self.out_proj
+        return out.reshape(shape) @ self.out_proj
 
     def _conv(self, mixed: torch.Tensor, state: Optional[torch.Tensor]):
         """Depthwise causal conv + SiLU of (B, C, S); returns it and the new (B, C, K-1) state."""
@@ -556,7 +605,7 @@ class GatedDeltaNet(nn.Module):
         out = F.conv1d(full, self.conv_weight.unsqueeze(1), padding=keep, groups=self.conv_dim)
         return F.silu(out[..., keep : keep + mixed.shape[-1]]), history
 
-    def _delta_rule(self, query, key, value, decay, beta, state, cp_step: Optional[CPStep] = None):
+    def _delta_rule(self, query, key, value, decay, beta, state, cp_step: Optional[CPStep] = None, packing=None):
         """(B, S, H, D) inputs -> (B, S, Hv, Dv) output in the model dtype, new float32 state.
 
         In a sharded context-parallel prefill the state is relayed in rank order: rank r scans its
@@ -576,13 +625,15 @@ class GatedDeltaNet(nn.Module):
         key = l2_normalise(key)
         if state is not None and query.shape[2] == 1:
             query = query / (query.shape[-1] ** 0.5)
-            out, state = recurrent_gated_delta_step(
-                query[:, :, 0], key[:, :, 0], value[:, :, 0], decay[:, :, 0], beta[:, :, 0], state
-            )
+            step = recurrent_gated_delta_step if dtype == torch.float64 else recurrent_gated_delta_step_bmm
+            out, state = step(query[:, :, 0], key[:, :, 0], value[:, :, 0], decay[:, :, 0], beta[:, :, 0], state)
             out = out.unsqueeze(2)
         elif cp_step is not None:
             query = query * query.shape[-1] ** -0.5
             out, state = self._relayed_chunks(_chunk_terms(query, key, value, decay, beta), cp_step)
+        elif packing is not None and state is None:
+            query = query * query.shape[-1] ** -0.5
+            out, state = chunk_gated_delta_rule_left_padded(query, key, value, decay, beta, packing.leading_padding)
         else:
             query = query * query.shape[-1] ** -0.5
             out, state = chunk_gated_delta_rule(query, key, value, decay, beta, state)
@@ -679,6 +730,36 @@ class RankSum:
         return x
 
 
+class TokenPacking:
+    """The real tokens of a left-padded prefill, packed: the row-wise work of every layer (norms,
+    projections, MLP / experts, residual adds) runs on the (N, H) real rows only, and just the
+    sequence mixers' cores (rotary + attention, conv + delta rule) see the padded (B, S, C) layout,
+    with zeros at the padding: exactly what HF's masked Gated DeltaNet input projects to, and keys
+    the attention mask hides. A batch of mixed-length prompts then costs its tokens, not B x S."""
+
+    def __init__(self, prompt_mask: torch.Tensor):
+        self.batch, self.seq = prompt_mask.shape
+        self.index = prompt_mask.reshape(-1).nonzero().squeeze(1)
+        self.leading_padding = [self.seq - int(n) for n in prompt_mask.sum(dim=1).tolist()]  # per row
+
+    @classmethod
+    def of(cls, prompt_mask: Optional[torch.Tensor]) -> Optional["TokenPacking"]:
+        """None when there is no padding to skip."""
+        if prompt_mask is None or prompt_mask.shape[1] == 1:
+            return None
+        packing = cls(prompt_mask)
+        return packing if packing.index.numel() < packing.batch * packing.seq else None
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, C) -> (N, C): the real positions' rows, in order."""
+        return x.reshape(-1, x.shape[-1]).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C) -> (B, S, C), zeros at the padding."""
+        out = x.new_zeros(self.batch * self.seq, x.shape[-1])
+        return out.index_copy_(0, self.index, x).view(self.batch, self.seq, -1)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: LayerShard, rank_sum: RankSum):
         super().__init__()
@@ -692,12 +773,12 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, shard.mlp.intermediate)
         self.rank_sum = rank_sum
 
-    def forward(self, x, cos, sin, attention_mask, cache, prompt_mask, cp_step=None):
+    def forward(self, x, cos, sin, attention_mask, cache, prompt_mask, cp_step=None, packing=None):
         h = self.input_norm(x)
         if self.is_linear:
-            h = self.mixer(h, cache, prompt_mask, cp_step)
+            h = self.mixer(h, cache, prompt_mask, cp_step, packing)
         else:
-            h = self.mixer(h, cos, sin, attention_mask, cache, cp_step)
+            h = self.mixer(h, cos, sin, attention_mask, cache, cp_step, packing)
         x = x + self.rank_sum(h)
         return x + self.rank_sum(self.mlp(self.post_attention_norm(x)))
 
@@ -775,11 +856,17 @@ class Qwen3_5ForCausalLM(nn.Module):
                 if prompt_mask is not None:
                     prompt_mask = prompt_mask[:, step.start : step.stop]
 
-        hidden = self._embed(input_ids)
+        packing = TokenPacking.of(prompt_mask) if step is None else None
+        if packing is not None:
+            hidden = self._embed(input_ids.reshape(-1).index_select(0, packing.index))
+        else:
+            hidden = self._embed(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.inv_freq, hidden.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attention_mask, cache, prompt_mask, step)
+            hidden = layer(hidden, cos, sin, attention_mask, cache, prompt_mask, step, packing)
+        if packing is not None:
+            hidden = packing.unpack(hidden)
         if step is not None and step.sharded:
             hidden = step.gather_rows(hidden, logits_to_keep)
         elif logits_to_keep:
