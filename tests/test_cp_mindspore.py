@@ -6,7 +6,7 @@ on the tiny dense and MoE checkpoints, float32 and float64, with MindSpore's CPU
 rank's cache holding only its slice), generate() greedy / seeded / dynamic cache on left-padded
 batches of 70- and 200-token rows with a 3-token row, and prompts of 1 and 129 tokens.
 MindSpore's float64 model runs the delta rule in float64, so its logits match one device to
-~1e-14 (the bar is 1e-9). tp x cp is torch-only for now: MindSpore refuses it with a ValueError.
+~1e-14 (the bar is 1e-9). tp x cp meshes: tests/test_cp_tp_mindspore.py.
 """
 
 import re
@@ -115,14 +115,18 @@ def test_cp_other_than_the_world_size_is_a_clear_error(job):
         assert f"rank {rank}: world ValueError: tp=1 x cp=4 needs 4 ranks but the job has 2" in text, text[-3000:]
 
 
-def test_tp_with_cp_is_refused_on_mindspore(tmp_path):
+def test_cp_outside_a_job_of_tp_times_cp_ranks_is_a_clear_error(tmp_path):
     from hyper_gen.backends.mindspore.models import qwen3_5
     from hyper_gen.models.checkpoint import Checkpoint
     from hyper_gen.parallel.cp_plan import CPPlan
     from hyper_gen.parallel.tp_plan import TPPlan
 
     path = make_checkpoint(tmp_path, "dense")
-    with pytest.raises(ValueError, match="tp=2 with cp=2 is not supported on MindSpore yet"):
+    with pytest.raises(
+        ValueError, match=r"tp=2 x cp=2 needs 4 ranks \(tp \* cp\) but this process is rank 0 of a 1-rank"
+    ):
         qwen3_5.load(Checkpoint(path), "float32", plan=TPPlan(2, 0), cp_plan=CPPlan(2, 0))
-    with pytest.raises(ValueError, match=r"cp_plan cp=2, rank=0 but this process is rank 0 of a 1-rank world"):
+    with pytest.raises(
+        ValueError, match=r"tp=1 x cp=2 needs 2 ranks \(tp \* cp\) but this process is rank 0 of a 1-rank"
+    ):
         qwen3_5.load(Checkpoint(path), "float32", cp_plan=CPPlan(2, 0))

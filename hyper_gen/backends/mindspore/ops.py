@@ -4,6 +4,15 @@ MindSpore 2.10 CPU facts this adapter works around (design guide): many ``mint``
 kernel, so ``mindspore.ops`` is used where mint lacks one; in-place tensor ops silently do
 nothing, so writes use slice assignment, which MindSpore honours; sort/topk/multinomial return
 int32 indices, cast here to int64 as torch returns.
+
+Communication groups: ``new_group(name, ranks)`` makes a subgroup of the world (``create_group``,
+on the member ranks only: MindSpore CPU refuses a group without the calling rank). MindSpore 2.10's
+CPU AllReduce runs on such a subgroup, but its AllGather and Broadcast take the world group only
+("AllGather only support mccl_world_group on CPU"), so on CPU ``all_gather`` / ``broadcast`` over a
+subgroup are one world AllGather (after a small one that agrees on the largest shape, since other
+groups may gather other shapes at the same time), of which the group's members are kept, in group
+rank order. Every rank of the world must then make the same call at the same point, as the ranks
+of an SPMD model (a tp x cp mesh) do; on Ascend (HCCL) subgroups are native.
 """
 
 from __future__ import annotations
@@ -45,6 +54,72 @@ def _communication_ready() -> bool:
     from mindspore.communication import GlobalComm
 
     return bool(GlobalComm.INITED)
+
+
+_GROUP_MEMBERS = {}  # subgroup name -> its world ranks in group rank order
+
+
+def new_group(name: str, ranks) -> str:
+    """The subgroup ``name`` of the world ranks ``ranks`` (ascending), made once per process;
+    called by the member ranks only (MindSpore cannot make a group without the calling rank)."""
+    ranks = [int(r) for r in ranks]
+    if ranks != sorted(set(ranks)):
+        raise ValueError(f"group ranks must be distinct and ascending, got {ranks}")
+    known = _GROUP_MEMBERS.get(name)
+    if known is not None:
+        if known != ranks:
+            raise ValueError(f"group {name!r} already holds ranks {known}, not {ranks}")
+        return name
+    from mindspore.communication import create_group
+
+    create_group(name, ranks)
+    _GROUP_MEMBERS[name] = ranks
+    return name
+
+
+def _members(group) -> list:
+    """World ranks of ``group`` in group rank order."""
+    if group not in _GROUP_MEMBERS:
+        from mindspore.communication import get_group_size, get_world_rank_from_group_rank
+
+        _GROUP_MEMBERS[group] = [get_world_rank_from_group_rank(group, r) for r in range(get_group_size(group))]
+    return _GROUP_MEMBERS[group]
+
+
+def _over_world(group) -> bool:
+    """True for a subgroup whose AllGather / Broadcast must run over the world (MindSpore CPU)."""
+    from mindspore.communication import GlobalComm
+
+    return group is not None and group != GlobalComm.WORLD_COMM_GROUP and ms.get_context("device_target") == "CPU"
+
+
+def _world_gather(x):
+    """The world AllGather of ``x`` (float64 / int64 as int32 words: exact)."""
+    if x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
+        return ops.AllGather()(x.view(ms.int32)).view(x.dtype)
+    return ops.AllGather()(x)
+
+
+def _group_gather(x, group):
+    """AllGather over subgroup ``group`` as one world AllGather (module docstring): the members'
+    tensors stacked along axis 0 in group rank order."""
+    if x.ndim == 0:
+        x = x.reshape(1)
+    shapes = ops.AllGather()(ms.Tensor(np.asarray([x.shape], np.int32))).asnumpy()  # (world, ndim)
+    top = tuple(int(n) for n in shapes.max(0))
+    for axis, n in enumerate(top):  # pad to the largest shape anyone gathers now
+        if x.shape[axis] < n:
+            pad = list(x.shape)
+            pad[axis] = n - x.shape[axis]
+            x = ops.cat((x, ops.zeros(tuple(pad), x.dtype)), axis)
+    gathered = _world_gather(x)
+    parts = []
+    for rank in _members(group):
+        part = gathered[rank * top[0] : (rank + 1) * top[0]]
+        if tuple(shapes[rank]) != top:
+            part = part[tuple(slice(0, int(n)) for n in shapes[rank])]
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else ops.cat(tuple(parts), 0)
 
 
 class MindSporeOps:
@@ -165,7 +240,9 @@ class MindSporeOps:
 
     def all_gather(self, x, axis=0, group=None):
         with _naming_timeouts("AllGather", self):
-            if x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
+            if _over_world(group):  # CPU: a subgroup's AllGather is a world one (module docstring)
+                gathered = _group_gather(x, group)
+            elif x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
                 gathered = ops.AllGather(group=self._group(group))(x.view(ms.int32)).view(x.dtype)
             else:
                 gathered = ops.AllGather(group=self._group(group))(x)  # stacks along axis 0
@@ -181,6 +258,10 @@ class MindSporeOps:
 
     def broadcast(self, x, src=0, group=None):
         with _naming_timeouts("Broadcast", self):
+            if _over_world(group):  # CPU: the group's gather over the world, src's part (src: a world rank)
+                gathered = _group_gather(x, group)
+                index = _members(group).index(src)
+                return gathered[index * x.shape[0] : (index + 1) * x.shape[0]] if x.ndim else gathered[index]
             if x.dtype in _WIDE:  # CPU Broadcast narrows float64/int64: move the raw bits instead
                 return ops.Broadcast(src, group=self._group(group))((x.view(ms.int32),))[0].view(x.dtype)
             return ops.Broadcast(src, group=self._group(group))((x,))[0]

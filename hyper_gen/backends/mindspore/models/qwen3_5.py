@@ -56,11 +56,21 @@ int32 words through AllGather (exact) and every rank adds the tp parts in rank o
 tp times the all-reduce volume and is meant for validation (float64 TP logits match one device
 to float64 rounding); float32 / float16 use the native AllReduce.
 
-Context parallelism (``load(..., cp_plan=CPPlan(cp, rank))``, tp 1; contract: docs/model_contract.md)
-is the torch port's, step for step, on AllGather alone: each rank prefills its run of 64-position
-chunks, attention all-gathers K|V, Gated DeltaNet all-gathers the conv halo and relays the
-recurrent state in rank order, each rank's cache holds its K/V slice (the last rank appends the
-decode tokens) and decode merges the per-rank partial attention by log-sum-exp in rank order.
+Context parallelism (``load(..., plan=TPPlan(tp, tp_rank), cp_plan=CPPlan(cp, cp_rank))``; contract:
+docs/model_contract.md) is the torch port's, step for step, on AllGather alone: each rank prefills
+its run of 64-position chunks, attention all-gathers K|V, Gated DeltaNet all-gathers the conv halo
+and relays the recurrent state in rank order, each rank's cache holds its K/V slice (the last rank
+appends the decode tokens) and decode merges the per-rank partial attention by log-sum-exp in rank
+order. With tp = 1 the CP group is the world. With tp > 1 the world is a ``tp x cp`` mesh
+(``hyper_gen.parallel.cp_plan.Mesh``, tensor parallelism innermost: global rank = cp_rank * tp +
+tp_rank) and ``load`` makes this rank's two subgroups, ``hyper_gen_tp<T>xcp<C>_tp<i>`` (the tp
+ranks of cp rank i: the row-parallel sums and the LM head's vocabulary gather, so every rank's
+logits hold the whole vocabulary) and ``hyper_gen_tp<T>xcp<C>_cp<j>`` (the cp ranks of tp rank j:
+everything of context parallelism above); generate() checks inputs and agrees on tokens over the
+world. MindSpore's CPU AllReduce runs on a subgroup but its AllGather does not, so there a
+subgroup's all-gather is one world AllGather of which the group's part is kept
+(``hyper_gen.backends.mindspore.ops``): tp times the CP traffic, and the tp x cp model's every
+rank must run the same collectives in the same order, which an SPMD forward does.
 """
 
 from __future__ import annotations
@@ -72,7 +82,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
-from hyper_gen.backends.mindspore.ops import MindSporeOps
+from hyper_gen.backends.mindspore.ops import MindSporeOps, new_group
 from hyper_gen.cache import DynamicCache
 from hyper_gen.models.checkpoint import Piece
 from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, describe
@@ -87,7 +97,7 @@ from hyper_gen.models.qwen3_5.shards import (
     MoEShard,
     vocab_rows,
 )
-from hyper_gen.parallel.cp_plan import CPLayout, CPPlan
+from hyper_gen.parallel.cp_plan import CPLayout, CPPlan, Mesh
 from hyper_gen.parallel.tp_plan import TPPlan
 
 DTYPES = {"float32": ms.float32, "float64": ms.float64, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -252,7 +262,8 @@ class _PartialSum:
 
     float32 / float16 use AllReduce. MindSpore's CPU AllReduce has no float64 kernel and its
     float64 AllGather rounds to float32, so float64 bits travel as int32 words through AllGather
-    (exact) and every rank adds the parts in rank order: the same float64 sum on every rank."""
+    (exact) and every rank adds the parts in rank order: the same float64 sum on every rank (a tp
+    subgroup of a tp x cp mesh: that AllGather runs over the world on CPU, ``MindSporeOps``)."""
 
     def __init__(self, tp: int, group=None):
         self.tp = tp
@@ -1128,6 +1139,9 @@ class Qwen3_5ForCausalLM(nn.Cell):
     ``tp_plan`` the ``TPPlan`` it was loaded with. With ``tp_plan.tp > 1`` it also has
     ``parallel_group`` (None: the world group) and ``vocab_parallel = True``: its logits are this
     rank's block of ``plan.padded_vocab(vocab_size) // tp`` columns (generate() gathers them).
+    Under context parallelism (``cp_plan.cp > 1``) ``parallel_group`` is None (the whole job,
+    tp x cp ranks) and ``vocab_parallel`` False: a tp x cp model gathers its vocabulary blocks over
+    its tp group ``tp_group`` itself.
     """
 
     supports_cache_object = True
@@ -1138,6 +1152,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         self.config = cfg
         self.vocab_size = cfg.vocab_size
         self.tp_plan = plan
+        self.tp_group = group
         self.cp_plan = CPPlan.resolve(cp_plan)
         self.context_parallel = ContextParallel(self.cp_plan, cp_group) if self.cp_plan.cp > 1 else None
         self.vocab_start, self.vocab_stop = shard.vocab_start, min(shard.vocab_stop, cfg.vocab_size)  # real ids here
@@ -1151,8 +1166,10 @@ class Qwen3_5ForCausalLM(nn.Cell):
         del head_t
         self.embed_tokens = None if shard.lm_head is None else weights.param(weights.vocab_rows(shard, EMBED_TOKENS))
         self.partial_sum = _PartialSum(plan.tp, group)
-        if self.cp_plan.cp > 1:  # generate() checks inputs and agrees on tokens over the whole job
-            self.parallel_group = cp_group
+        if self.cp_plan.cp > 1:
+            # generate() checks inputs and agrees on tokens over every rank of the job (the tp x cp
+            # mesh); the logits are whole on every rank (vocab blocks gathered over the tp group here)
+            self.parallel_group = None
             self.vocab_parallel = False
         elif plan.tp > 1:
             self.parallel_group = group
@@ -1246,6 +1263,8 @@ class Qwen3_5ForCausalLM(nn.Cell):
             h = _cast(_mul(_normalize(_cast(x, self.eps.dtype), self.eps), self.norm), x.dtype)
             logits = [_matmul(h, block) for block in self.lm_head]
             logits = logits[0] if len(logits) == 1 else ops.concat(logits, -1)
+        if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
+            logits = MindSporeOps().all_gather(logits, axis=-1, group=self.tp_group)[..., : self.vocab_size]
         return {"logits": logits.reshape(b, kept, -1)}
 
     def _cp_step(self, cache, seq: int) -> CPStep:
@@ -1295,22 +1314,14 @@ def load(
     model); ``group``: the communication group of the ``tp`` ranks (None: the world group, whose
     size and this process's rank must then be ``tp`` and ``plan.rank``). ``device`` is accepted and
     ignored: MindSpore's device target is chosen for the whole process.
-    ``cp_plan``: a ``CPPlan(cp, rank)`` for context parallelism over the world group (its size and
-    this process's rank must be ``cp`` and ``cp_plan.rank``); tp x cp meshes are torch-only so far."""
+    ``cp_plan``: a ``CPPlan(cp, rank)`` for context parallelism. The world is then the
+    ``tp x cp`` mesh (``hyper_gen.parallel.cp_plan.Mesh``, tp innermost: exactly ``tp * cp`` ranks,
+    this one at ``(plan.rank, cp_plan.rank)``); with tp > 1 every rank must call this, as it makes
+    the rank's tp and cp subgroups (module docstring), unless ``group`` (the tp group) is given."""
     plan = TPPlan.resolve(plan)
     cp_plan = CPPlan.resolve(cp_plan)
     if cp_plan.cp > 1:
-        if plan.tp > 1:
-            raise ValueError(
-                f"tp={plan.tp} with cp={cp_plan.cp} is not supported on MindSpore yet (the torch backend runs tp x cp "
-                "meshes); use tp=1 with cp, or cp=1 with tp"
-            )
-        ops_ = MindSporeOps()
-        if ops_.world_size() != cp_plan.cp or ops_.rank() != cp_plan.rank:
-            raise ValueError(
-                f"cp_plan cp={cp_plan.cp}, rank={cp_plan.rank} but this process is rank {ops_.rank()} of a "
-                f"{ops_.world_size()}-rank world: launch {cp_plan.cp} processes (msrun --worker_num={cp_plan.cp})"
-            )
+        _check_mesh(plan, cp_plan)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
@@ -1323,9 +1334,12 @@ def load(
             f"supported: {', '.join(ARCHITECTURES)}"
         )
     shard = describe(checkpoint, Qwen3_5Config.from_dict(checkpoint.config), plan)  # splits checked, nothing read
+    cp_group = None
+    if cp_plan.cp > 1:
+        group, cp_group = _mesh_groups(plan, cp_plan, group)
     if plan.tp > 1:
         _check_group(plan, group)
-    model = Qwen3_5ForCausalLM(shard, _Weights(checkpoint, dtype), group, cp_plan)
+    model = Qwen3_5ForCausalLM(shard, _Weights(checkpoint, dtype), group, cp_plan, cp_group)
     model.set_train(False)
     return model
 
@@ -1342,3 +1356,39 @@ def _check_group(plan: TPPlan, group) -> None:
         )
     if rank != plan.rank:
         raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")
+
+
+def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
+    """(tp group, cp group) of this rank in the world's ``tp x cp`` mesh; None is the world group
+    (the one axis of a 1-D mesh). The names are the mesh's and the group's index, the same on
+    every rank; each rank makes its tp group, then its cp group (MindSpore makes a group on its
+    members only)."""
+    mesh = _check_mesh(plan, cp_plan)
+    if plan.tp == 1:
+        return group, None
+    rank = MindSporeOps().rank()
+    tag = f"hyper_gen_tp{plan.tp}xcp{cp_plan.cp}"
+    tp_index, cp_index = rank // plan.tp, rank % plan.tp  # this rank's tp group, cp group
+    tp_group = new_group(f"{tag}_tp{tp_index}", mesh.tp_groups()[tp_index])
+    cp_group = new_group(f"{tag}_cp{cp_index}", mesh.cp_groups()[cp_index])
+    return (group if group is not None else tp_group), cp_group
+
+
+def _check_mesh(plan: TPPlan, cp_plan: CPPlan) -> Mesh:
+    """The world must be the ``tp x cp`` mesh, this process at the plans' coordinates."""
+    mesh = Mesh(plan.tp, cp_plan.cp)
+    ops_ = MindSporeOps()
+    world, rank = ops_.world_size(), ops_.rank()
+    launch = f"msrun --worker_num={mesh.size} --local_worker_num={mesh.size} --join=True app.py"
+    if world != mesh.size:
+        raise ValueError(
+            f"tp={plan.tp} x cp={cp_plan.cp} needs {mesh.size} ranks (tp * cp) but this process is rank {rank} of a "
+            f"{world}-rank world: launch {mesh.size} processes ({launch}) and load with "
+            f"hyper_gen.load_model(..., backend='mindspore', tp={plan.tp}, cp={cp_plan.cp})"
+        )
+    if mesh.coordinates(rank) != (plan.rank, cp_plan.rank):
+        raise ValueError(
+            f"plan tp rank {plan.rank}, cp_plan cp rank {cp_plan.rank} but this process is rank {rank}, which the "
+            f"mesh (tp innermost) places at tp rank, cp rank {mesh.coordinates(rank)}"
+        )
+    return mesh

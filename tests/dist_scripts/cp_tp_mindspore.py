@@ -1,0 +1,163 @@
+"""tp=2 x cp=2 MindSpore Qwen3.5 (``load_model(..., backend="mindspore", tp=2, cp=2)``, 4 msrun workers)
+against the same checkpoint on one device (each rank also loads it whole). Prints one line per
+check, ``rank R: <check> <label> ...``; it never raises on a failed comparison (a rank that stopped
+early would leave the others hanging in a collective): tests/test_cp_tp_mindspore.py reads the
+lines from the worker logs.
+
+usage: cp_tp_mindspore.py LABEL=CHECKPOINT_DIR ...
+"""
+
+import sys
+
+import mindspore as ms
+import numpy as np
+
+from hyper_gen import GenerationConfig, generate, load_model
+from hyper_gen.backends.mindspore.ops import MindSporeOps
+from hyper_gen.cache import DynamicCache, StaticCache
+from hyper_gen.parallel.launcher import host_ops, init_distributed
+
+assert init_distributed("mindspore")
+ops = host_ops("mindspore")
+rank, world = ops.rank(), ops.world_size()
+checkpoints = [arg.split("=", 1) for arg in sys.argv[1:]]
+TP, CP = 2, 2
+# a left-padded batch per width: rows of the width, 70 tokens (at 200) and 3 tokens; 70 and 200
+# are neither multiples of the 64-position chunk nor of the ranks (slices 64|6 and 128|72)
+ROWS = {70: (70, 3), 200: (200, 70, 3)}
+NEW_TOKENS = 4
+ATTENTION_LAYERS = (1, 3)
+# float64 (the 1e-9 logit bar; its tp sums and every cp / vocab gather run as world AllGathers of
+# raw bits) on both checkpoints; float32 (tp sums by AllReduce on the tp subgroup) on the first
+DTYPES = ("float64", "float32")
+
+
+def say(line):
+    print(line, flush=True)
+
+
+def padded_batch(vocab, width):
+    rng = np.random.default_rng(width)
+    lengths = ROWS[width]
+    ids = np.zeros((len(lengths), width), np.int64)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = rng.integers(1, vocab, n)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def contract_mask(prompt_mask, past, seq, total, dtype):
+    batch, width = prompt_mask.shape
+    real = np.ones((batch, total), bool)
+    real[:, :width] = prompt_mask.astype(bool)
+    visible = (np.arange(total)[None, :] <= np.arange(past, past + seq)[:, None])[None] & real[:, None, :]
+    return ms.Tensor(np.where(visible, 0.0, np.finfo(dtype).min).astype(dtype)[:, None])
+
+
+def contract_run(model, ids, prompt_mask, decode_ids, cache_class, dtype):
+    """Prefill (every position's logits), then one teacher-forced decode step per column of
+    decode_ids (the tokens one device generated): every call's logits (numpy), and the cache."""
+    batch, width = ids.shape
+    cache = cache_class(MindSporeOps(), batch, width + decode_ids.shape[1])
+    cache.prompt_mask = ms.Tensor(prompt_mask.astype(dtype))
+    total = (lambda seq: cache.max_length) if cache.is_static else (lambda seq: cache.seq_length + seq)
+    positions = np.maximum(np.cumsum(prompt_mask, 1) - 1, 0) * prompt_mask
+    lengths = prompt_mask.sum(1)
+    out = model(
+        ms.Tensor(ids),
+        position_ids=ms.Tensor(positions),
+        attention_mask=contract_mask(prompt_mask, 0, width, total(width), dtype),
+        past_key_values=cache,
+    )["logits"].asnumpy()
+    outs = [out * prompt_mask[..., None]]
+    cache.advance(width)
+    cache.prompt_mask = None
+    for step in range(decode_ids.shape[1]):
+        out = model(
+            ms.Tensor(decode_ids[:, step : step + 1]),
+            position_ids=ms.Tensor((lengths + step)[:, None]),
+            attention_mask=contract_mask(prompt_mask, cache.seq_length, 1, total(1), dtype),
+            past_key_values=cache,
+            logits_to_keep=1,
+        )["logits"].asnumpy()
+        outs.append(out)
+        cache.advance(1)
+    return outs, cache
+
+
+def kv_sliced(model, width, cache):
+    """Each attention layer's cache holds this rank's cp slice only (the owner: + decode)."""
+    plan, layout = model.cp_plan, model.cp_plan.layout(width)
+    if cache.is_static:
+        want = layout.static_capacity(plan.rank, cache.max_length)
+    else:
+        start, stop = layout.cached_columns(plan.rank, cache.seq_length)
+        want = stop - start
+    got = [cache.keys[i].shape[2] if i in cache.keys else 0 for i in ATTENTION_LAYERS]
+    return all(n == want for n in got) and want < cache.max_length
+
+
+model = None
+for index, (label, path) in enumerate(checkpoints):
+    for dtype in DTYPES if index == 0 else DTYPES[:1]:
+        model = load_model(path, backend="mindspore", dtype=dtype, tp=TP, cp=CP)
+        single = load_model(path, backend="mindspore", dtype=dtype)
+        tag = f"rank {rank}: {{}} {label}/{dtype}"
+        say(
+            tag.format("attributes") + f" group={model.parallel_group} vocab_parallel={model.vocab_parallel} "
+            f"cp_plan={model.cp_plan} tp_plan={model.tp_plan} tp_group={model.tp_group} "
+            f"cp_group={model.context_parallel.group} vocab={model.vocab_size}"
+        )
+        greedy = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+        seeded = greedy.replace(do_sample=True, seed=11, top_k=0, temperature=1.3)
+        for width in ROWS:
+            ids, mask = padded_batch(single.vocab_size, width)
+            for name, cfg in (("greedy", greedy), ("seeded", seeded)):
+                got = generate(model, ids, cfg, attention_mask=mask).asnumpy()
+                want = generate(single, ids, cfg, attention_mask=mask).asnumpy()
+                say(tag.format(name) + f" width={width} equal={np.array_equal(got, want)} tokens={got.tolist()}")
+                if name == "greedy":  # rows are [prompt | generated | pad]: one device's greedy tokens
+                    decode_ids = np.stack([want[i, n : n + NEW_TOKENS] for i, n in enumerate(mask.sum(1))])
+            # every step's logits, teacher-forced on one device's greedy tokens (a static cache, as
+            # generate() uses; a dynamic one too for the float64 200-token batch)
+            diff, kv_ok = 0.0, True
+            for cache_class in (StaticCache, DynamicCache) if (dtype, width) == ("float64", 200) else (StaticCache,):
+                ours, cache = contract_run(model, ids, mask, decode_ids, cache_class, dtype)
+                reference, _ = contract_run(single, ids, mask, decode_ids, cache_class, dtype)
+                shapes_ok = all(a.shape == b.shape for a, b in zip(ours, reference))
+                diff = max(diff, max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(ours, reference)))
+                kv_ok &= shapes_ok and kv_sliced(model, width, cache)
+            say(tag.format("logits") + f" width={width} steps={len(ours)} maxdiff={diff:.3e} kv_ok={kv_ok}")
+
+# a rank handed a different prompt: the same ValueError on all 4 ranks (the input check spans the
+# whole mesh, not one tp or cp group), then the ranks are still in step
+ids, mask = padded_batch(model.vocab_size, 70)
+different = ids.copy()
+different[0, -1] = different[0, -1] % (model.vocab_size - 1) + 1
+cfg = GenerationConfig(max_new_tokens=2, eos_token_id=None)
+try:
+    generate(model, different if rank == world - 1 else ids, cfg, attention_mask=mask)
+    say(f"rank {rank}: mismatch NO ERROR")
+except ValueError as exc:
+    say(f"rank {rank}: mismatch ValueError: {exc}")
+out = generate(model, ids, cfg, attention_mask=mask).asnumpy()
+say(f"rank {rank}: after-mismatch tokens={out.tolist()}")
+
+# a mesh other than the world: load_model's check, and the port's own (a direct load() call)
+from hyper_gen.backends.mindspore.models import qwen3_5  # noqa: E402
+from hyper_gen.models.checkpoint import Checkpoint  # noqa: E402
+from hyper_gen.parallel.cp_plan import CPPlan  # noqa: E402
+from hyper_gen.parallel.tp_plan import TPPlan  # noqa: E402
+
+try:
+    load_model(checkpoints[0][1], backend="mindspore", tp=2, cp=4)
+    say(f"rank {rank}: world NO ERROR")
+except ValueError as exc:
+    say(f"rank {rank}: world ValueError: {exc}")
+try:
+    qwen3_5.load(Checkpoint(checkpoints[0][1]), "float32", plan=TPPlan(2, rank % 2), cp_plan=CPPlan(4, rank // 2))
+    say(f"rank {rank}: port-world NO ERROR")
+except ValueError as exc:
+    say(f"rank {rank}: port-world ValueError: {exc}")
+say(f"rank {rank}: done")
