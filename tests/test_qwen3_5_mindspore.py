@@ -96,3 +96,37 @@ def test_bfloat16_rounding_matches_torch():
     values[:4] = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.0]  # ties round to even
     expected = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(native._round_to(values, "bfloat16"), expected)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_left_padded_prefill_packs_the_real_tokens(path, monkeypatch, variant, dtype):
+    """The row-wise work of a left-padded prefill runs on the real tokens only (TokenPacking): same
+    greedy tokens and the same logits at every step as the padded layout (float64 to 1e-12), with
+    a row of 130 positions of padding; decode steps (no padding) do not pack."""
+    from hyper_gen.config import GenerationConfig
+    from hyper_gen.generation import generate
+
+    model = load_model(path(variant), backend="mindspore", dtype=dtype)
+    rng = np.random.default_rng(0)
+    lengths = np.array([133, 3, 70, 129])
+    mask = (np.arange(133)[None, :] >= 133 - lengths[:, None]).astype(np.int64)
+    ids = rng.integers(3, VOCAB, (4, 133)) * mask
+    config = GenerationConfig(max_new_tokens=5, return_dict_in_generate=True, output_logits=True)
+    packed_rows = []
+    real_of = native.TokenPacking.of
+
+    def spy(cache, seq):
+        packing = real_of(cache, seq)
+        packed_rows.append(None if packing is None else packing.count)
+        return packing
+
+    monkeypatch.setattr(native.TokenPacking, "of", staticmethod(spy))
+    packed = generate(model, ids, config, attention_mask=mask)
+    assert packed_rows[0] == int(mask.sum()) and all(n is None for n in packed_rows[1:])
+    monkeypatch.setattr(native.TokenPacking, "of", staticmethod(lambda cache, seq: None))
+    padded = generate(model, ids, config, attention_mask=mask)
+    assert np.array_equal(np.asarray(packed.sequences), np.asarray(padded.sequences))
+    tolerance = 1e-12 if dtype == "float64" else 1e-5
+    for a, b in zip(packed.logits, padded.logits):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= tolerance

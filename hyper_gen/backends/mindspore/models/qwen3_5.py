@@ -404,6 +404,41 @@ def _gather_rows(rows: Tensor, index: np.ndarray, shape: tuple) -> Tensor:
     return ops.gather(rows, Tensor(index.reshape(-1).astype(np.int32)), 0).reshape(shape)
 
 
+class TokenPacking:
+    """The real tokens of a left-padded prefill, packed (the torch port's ``TokenPacking``): the
+    row-wise work of every layer (norms, projections, MLP / experts, residual adds) runs on the N
+    real rows only, and just the sequence mixers' cores (rotary + attention, conv + delta rule) see
+    the B * S padded rows, with zeros at the padding: what HF's masked Gated DeltaNet input projects
+    to, and keys the attention mask hides. Both directions are one Gather (exact copies)."""
+
+    def __init__(self, mask: np.ndarray):
+        flat = mask.reshape(-1) != 0
+        self.rows = int(flat.size)
+        index = np.flatnonzero(flat)
+        self.count = int(index.size)
+        self.pack_index = Tensor(index.astype(np.int32))
+        # padded row -> its packed row, or the zero row appended after the N packed ones
+        unpack = np.full(self.rows, self.count, np.int32)
+        unpack[index] = np.arange(self.count, dtype=np.int32)
+        self.unpack_index = Tensor(unpack)
+
+    @classmethod
+    def of(cls, cache, seq: int):
+        """The packing of this forward: a prefill of a left-padded batch; None otherwise."""
+        if seq == 1 or cache.seq_length != 0 or cache.prompt_mask is None:
+            return None
+        mask = cache.prompt_mask.asnumpy()
+        return None if mask.all() else cls(mask)
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B * S, C) -> (N, C)."""
+        return ops.gather(x, self.pack_index, 0)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(N, C) -> (B * S, C), zeros at the padding."""
+        return ops.gather(ops.concat([x, _zeros((1, x.shape[1]), x.dtype)], 0), self.unpack_index, 0)
+
+
 def _recurrent_step(q, k, v, inv_decay, beta, state):
     """One decode step of the gated delta rule: q, k (B, H, 1, Dk), v (B, H, 1, Dv),
     ``inv_decay = exp(-g)`` and beta (B, H, 1, 1), state (B, H, Dk, Dv); all in the compute dtype.
@@ -578,11 +613,14 @@ class GatedAttention(nn.Cell):
         rotate[np.arange(half), np.arange(half, rot)] = 1.0
         self.rotate = Tensor(rotate, weights.ms_dtype)
 
-    def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None):
+    def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None, packing=None):
         n = b * s
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         heads = nh + nkv
-        qk, v, gate = mint.split(_matmul(x, self.qkv_t), self.split_sizes, -1)
+        projected = _matmul(x, self.qkv_t)
+        if packing is not None:
+            projected = packing.unpack(projected)
+        qk, v, gate = mint.split(projected, self.split_sizes, -1)
         qk = _cast(_mul(_normalize(_cast(qk.reshape(n, heads, d), self.acc), self.eps), self.qk_norm), x.dtype)
         rotated = _matmul(qk.reshape(n * heads, d), self.rotate).reshape(n, heads, d)
         q, k = mint.split(_add(_mul(qk, cos), _mul(rotated, sin)), (nh, nkv), 1)
@@ -619,7 +657,10 @@ class GatedAttention(nn.Cell):
             out = out.reshape(n, nh * d)
         else:
             out = out.reshape(b, nh, s, d).transpose(0, 2, 1, 3).reshape(n, nh * d)
-        return _matmul(_mul(out, _sigmoid(gate)), self.o_t)
+        out = _mul(out, _sigmoid(gate))
+        if packing is not None:
+            out = packing.pack(out)
+        return _matmul(out, self.o_t)
 
     def attend_one(self, q, k, v, attention_mask, cache, cp_step, dtype):
         """One decode token's attention over the cache (after ``_attention_pre_rows``): q
@@ -760,15 +801,21 @@ class GatedDeltaNet(nn.Cell):
             state = cp_step.cp.gather(state if turn == cp_step.rank else placeholder)[turn]
         return out, state
 
-    def construct(self, x, b, s, cache, cp_step=None):
+    def construct(self, x, b, s, cache, cp_step=None, packing=None):
         n = b * s
         sharded = cp_step is not None and cp_step.sharded
-        if cache.seq_length == 0 and cache.prompt_mask is not None:
+        if packing is None and cache.seq_length == 0 and cache.prompt_mask is not None:
             prompt_mask = cache.prompt_mask
             if sharded:
                 prompt_mask = prompt_mask[:, cp_step.start : cp_step.stop]
             x = x * prompt_mask.reshape(n, 1)  # left padding must not enter conv or state
-        mixed, z, beta, a = mint.split(_matmul(x, self.in_proj_t), self.split_sizes, -1)
+        projected = _matmul(x, self.in_proj_t)
+        if packing is not None:  # padding rows: the zeros HF's masked input projects to
+            z = mint.split(projected, self.split_sizes, -1)[1]
+            projected = packing.unpack(projected)
+        mixed, z_rows, beta, a = mint.split(projected, self.split_sizes, -1)
+        if packing is None:
+            z = z_rows
         conv_state = cache.conv_states.get(self.layer_idx)
         state = cache.recurrent_states.get(self.layer_idx)
         step = s == 1 and state is not None
@@ -821,6 +868,9 @@ class GatedDeltaNet(nn.Cell):
                 out_rows = out_rows + np.arange(s)[None, :, None]  # (B, S, nv)
                 out = _gather_rows(out.reshape(-1, dv), out_rows, (n, nv, dv))
         cache.recurrent_states[self.layer_idx] = state
+        if packing is not None:  # the gated norm and out_proj on the real rows
+            out = packing.pack(out.reshape(n, nv * dv))
+            n = packing.count
         # gated RMSNorm over each value head, with HF's casts (exact no-ops in float32/float64);
         # its weight is in out_t
         out = _cast(_cast(out, x.dtype), acc).reshape(n, nv, dv)
@@ -1068,16 +1118,18 @@ class DecoderLayer(nn.Cell):
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         self.partial_sum = partial_sum
 
-    def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None):
+    def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None, packing=None):
         if s == 1 and COMPILED_DECODE and (cp_step is None or cp_step.decode):  # not a one-token CP prefill
             out = self._decode(x, b, cos, sin, attention_mask, cache, cp_step)
             if out is not None:
                 return out
         h = _rms_norm(x, self.eps)
         if self.is_attention:
-            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cos, sin, attention_mask, cache, cp_step)))
+            x = _add(
+                x, self.partial_sum(self.mixer.construct(h, b, s, cos, sin, attention_mask, cache, cp_step, packing))
+            )
         else:
-            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cache, cp_step)))
+            x = _add(x, self.partial_sum(self.mixer.construct(h, b, s, cache, cp_step, packing)))
         return _add(x, self.partial_sum(self.mlp.construct(_rms_norm(x, self.eps))))
 
     def _decode(self, x, b, cos, sin, attention_mask, cache, cp_step):
@@ -1247,10 +1299,13 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 input_ids = input_ids[:, cp_step.start : cp_step.stop]
                 position_ids = position_ids[:, cp_step.start : cp_step.stop]
                 s = cp_step.stop - cp_step.start
-        x = self._embed(input_ids)
+        packing = TokenPacking.of(cache, s) if cp_step is None else None
+        x = self._embed(input_ids if packing is None else packing.pack(input_ids.reshape(-1, 1)))
         cos, sin = self._rotary(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer.construct(x, b, s, cos, sin, attention_mask, cache, cp_step)
+            x = layer.construct(x, b, s, cos, sin, attention_mask, cache, cp_step, packing)
+        if packing is not None:
+            x = packing.unpack(x)
         kept = s
         if cp_step is not None and cp_step.sharded:
             x, kept = cp_step.gather_rows(x, b, logits_to_keep)
