@@ -1,13 +1,15 @@
-"""MindSpore's compiled one-token blocks (opt-in, ``HYPER_GEN_MINDSPORE_JIT=1``) give the tokens and
-float64 logits PyNative gives for the same batch: the switch is read at import, so the compiled run
-is its own process."""
+"""MindSpore's compiled one-token blocks (the default; ``HYPER_GEN_MINDSPORE_JIT=0`` turns them off)
+give the tokens and float64 logits PyNative gives for the same batch: the switch is read at import,
+so each run is its own process. And a compiled graph computes with each call's own input layout."""
 
 import json
 import subprocess
 import sys
 
+import mindspore as ms
 import numpy as np
 from launch import REPO, _env
+from mindspore import mint
 
 SCRIPT = r"""
 import json, sys
@@ -39,3 +41,93 @@ def test_compiled_decode_equals_pynative():
     assert compiled["tokens"] == pynative["tokens"]
     difference = np.abs(np.array(compiled["logits"]) - np.array(pynative["logits"])).max()
     assert difference < 1e-9, difference
+
+
+def _transpose_last(x):
+    return mint.transpose(x, 1, 2)
+
+
+def test_a_compiled_graph_reads_each_calls_layout():
+    """MindSpore 2.10 reuses a graph for a same-shape input whatever its strides, and a view op in it
+    read a contiguous tensor after a transposed view with the view's strides (the in-flight engine's
+    join / drop hand the Gated DeltaNet graph contiguous conv states after its own view outputs):
+    ``_compiled`` graphs are called with contiguous tensors only."""
+    from hyper_gen.backends.mindspore.models import qwen3_5
+
+    graph = qwen3_5._compiled(("test_transpose_last",), lambda: _transpose_last)
+    data = np.arange(24, dtype=np.float32).reshape(2, 4, 3)
+    view = ms.Tensor(data).swapaxes(1, 2)  # (2, 3, 4), strides (12, 1, 3)
+    contiguous = ms.Tensor(np.ascontiguousarray(data.transpose(0, 2, 1)))
+    assert not view.is_contiguous() and contiguous.is_contiguous()
+    for x in (view, contiguous, view, contiguous):
+        np.testing.assert_array_equal(graph(x).asnumpy(), data)
+
+
+def test_compiled_blocks_give_a_row_the_same_bits_in_any_batch(tmp_path):
+    """Each compiled one-token block, on the tiny test checkpoint (every product's inner size < 256):
+    row 0's outputs are bitwise the same alone and among 1 or 4 other rows. (At inner sizes >= 256
+    MindSpore's CPU MatMul takes another path for one row than for several, compiled or not: a
+    B=1 row differs from the same row in a batch by float32 rounding, docs/performance.md.)"""
+    from qwen_checkpoints import make_checkpoint
+
+    from hyper_gen.backends.mindspore.models import qwen3_5
+    from hyper_gen.models.loading import load_model
+
+    model = load_model(make_checkpoint(tmp_path, "dense", "float32"), backend="mindspore")
+    delta = next(layer for layer in model.layers if not layer.is_attention)
+    attention = next(layer for layer in model.layers if layer.is_attention)
+    mix, att = delta.mixer, attention.mixer
+    rng = np.random.default_rng(0)
+
+    def rows(*shape, scale=1.0):
+        return (rng.standard_normal((5,) + shape) * scale).astype(np.float32)
+
+    x, out = rows(model.config.hidden_size), rows(att.num_heads * att.head_dim)
+    conv = rows(mix.conv_dim, mix.kernel - 1)
+    gate = 1 / (1 + np.exp(-rows(att.num_heads * att.head_dim)))
+    state = rows(mix.num_v_heads, mix.head_k_dim, mix.head_v_dim, scale=0.3)
+    cos, sin = rows(1, att.head_dim), rows(1, att.head_dim)
+    delta_sizes = (mix.conv_dim, mix.value_dim, mix.num_k_heads, mix.num_v_heads, mix.head_k_dim, mix.head_v_dim)
+    delta_sizes += (mix.acc,)
+    attention_sizes = (att.num_heads, att.num_kv_heads, att.head_dim, att.acc)
+    blocks = {
+        "delta_layer": (
+            qwen3_5._compiled(
+                ("delta_layer", delta_sizes, delta.mlp.inter),
+                lambda: qwen3_5._delta_layer_kernel(delta_sizes, delta.mlp.inter),
+            ),
+            lambda b: (
+                (ms.Tensor(x[:b]), ms.Tensor(conv[:b]), ms.Tensor(state[:b]), delta.eps, mix.in_proj_t)
+                + (mix.conv_t, qwen3_5._ones((b, 1, mix.kernel), mix.conv_t.dtype), mix.a, mix.dt_bias, mix.out_t)
+                + (mix.l2_eps, mix.gated_norm_eps, delta.mlp.up_gate_t, delta.mlp.down_t)
+            ),
+        ),
+        "attention_pre": (
+            qwen3_5._compiled(
+                ("attention_pre", attention_sizes), lambda: qwen3_5._attention_pre_kernel(attention_sizes)
+            ),
+            lambda b: (
+                (ms.Tensor(x[:b]), attention.eps, att.qkv_t, att.eps, att.qk_norm, att.rotate)
+                + (ms.Tensor(cos[:b]), ms.Tensor(sin[:b]))
+            ),
+        ),
+        "attention_post": (
+            qwen3_5._compiled(
+                ("attention_post", attention.mlp.inter), lambda: qwen3_5._attention_post_kernel(attention.mlp.inter)
+            ),
+            lambda b: (
+                (ms.Tensor(x[:b]), ms.Tensor(out[:b]), ms.Tensor(gate[:b]), att.o_t, attention.eps)
+                + (attention.mlp.up_gate_t, attention.mlp.down_t)
+            ),
+        ),
+        "head": (
+            qwen3_5._compiled(("head",), qwen3_5._head_kernel),
+            lambda b: (ms.Tensor(x[:b]), model.eps, model.norm, *model.lm_head),
+        ),
+    }
+    for name, (block, arguments) in blocks.items():
+        results = [block(*arguments(b)) for b in (1, 2, 5)]
+        alone, *batched = [[o.asnumpy()[0] for o in (r if isinstance(r, tuple) else (r,))] for r in results]
+        for outputs in batched:
+            for a, b in zip(alone, outputs):
+                np.testing.assert_array_equal(a, b, err_msg=name)

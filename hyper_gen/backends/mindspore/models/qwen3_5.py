@@ -963,19 +963,35 @@ class SparseMoE(nn.Cell):
 # What stays in PyNative: the cache writes and the attention over the cached keys (their length
 # grows every step), MoE routing (host), the tensor-parallel sums (collectives) and every prefill.
 
-# True ($HYPER_GEN_MINDSPORE_JIT=1): one-token forwards run the compiled blocks; False (default): all
-# PyNative. Opt-in because a compiled graph's rows are not bitwise those of another batch size's graph
-# (PyNative's are): the in-flight engine's "same tokens as generate() whatever else is in the batch"
-# fails under it; and a new batch size compiles once (~1-3 s on CPU) before its first step.
-COMPILED_DECODE = os.environ.get("HYPER_GEN_MINDSPORE_JIT", "0") == "1"
+# True (default): one-token forwards run the compiled blocks; False ($HYPER_GEN_MINDSPORE_JIT=0): all
+# PyNative. A new batch size compiles once (~1-3 s on CPU) before its first step.
+COMPILED_DECODE = os.environ.get("HYPER_GEN_MINDSPORE_JIT", "1") != "0"
 _COMPILED: Dict[tuple, object] = {}
 
 
 def _compiled(key: tuple, make):
-    """The jitted function ``make()`` builds, once per ``key`` (sizes and dtypes)."""
-    if key not in _COMPILED:
-        _COMPILED[key] = ms.jit(make())
-    return _COMPILED[key]
+    """The jitted function ``make()`` builds, once per ``key`` (sizes and dtypes), called with
+    contiguous tensors only. MindSpore 2.10 reuses a graph for an input of the same shape whatever
+    its strides, and a view op inside it (``mint.transpose`` of the conv state) reads an input with
+    the strides of an earlier call's: a contiguous tensor after a transposed view of the same shape
+    is read transposed (wrong values, not rounding). The in-flight engine's join / drop hand the
+    graphs contiguous caches between steps whose inputs were the graphs' own (view) outputs."""
+    graph = _COMPILED.get(key)
+    if graph is None:
+        jitted = ms.jit(make())
+
+        def graph(*args):
+            return jitted(*[a.contiguous() if isinstance(a, Tensor) and not a.is_contiguous() else a for a in args])
+
+        _COMPILED[key] = graph
+    return graph
+
+
+# In a graph ops.Transpose writes a contiguous copy, mint.transpose returns a view (a view output
+# would be copied by _compiled at the next call). (Concatenating conv_state[:, :, 1:] with the new
+# column instead rounds float64 to float32 precision in a graph, ~1e-7, when the split-off row also
+# feeds the window's concat.)
+_transpose_copy = ops.Transpose()
 
 
 def _mlp_rows(x, eps, up_gate_t, down_t, inter):
@@ -991,7 +1007,7 @@ def _delta_step_rows(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_b
     b = x.shape[0]
     mixed, z, beta, a_in = mint.split(_matmul(_rms_norm(x, eps), in_proj_t), (conv_dim, value_dim, nv, nv), -1)
     window = ops.concat([mint.transpose(conv_state, 1, 2), mixed.reshape(b, 1, conv_dim)], 1)  # (B, kernel, C)
-    new_conv = mint.transpose(window[:, 1:], 1, 2)
+    new_conv = _transpose_copy(window[:, 1:], (0, 2, 1))  # contiguous: the next step's input (_compiled)
     taps = _mul(_cast(window, conv_t.dtype), conv_t)
     mixed = _silu(_cast(_bmm(ones, taps).reshape(b, conv_dim), mixed.dtype))
     qk, v = mint.split(_cast(mixed, acc), (2 * nk * dk, value_dim), -1)
@@ -1019,7 +1035,8 @@ def _delta_step_rows(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_b
 
 def _attention_pre_rows(x, eps, qkv_t, norm_eps, qk_norm, rotate, cos, sin, sizes):
     """One decode token of gated attention up to the cache, its input RMSNorm included:
-    q (B, nkv, group, D), k, v (B, nkv, 1, D) and the gate logits (B, nh * D)."""
+    q (B, nkv, group, D), k, v (B, nkv, 1, D) and the output gate, sigmoid(gate logits) (B, nh * D):
+    a new tensor, not a view of the projection (the next graph's input: _compiled)."""
     nh, nkv, d, acc = sizes
     b, heads = x.shape[0], nh + nkv
     split = ((nh + nkv) * d, nkv * d, nh * d)
@@ -1027,12 +1044,13 @@ def _attention_pre_rows(x, eps, qkv_t, norm_eps, qk_norm, rotate, cos, sin, size
     qk = _cast(_mul(_normalize(_cast(qk.reshape(b, heads, d), acc), norm_eps), qk_norm), x.dtype)
     rotated = _matmul(qk.reshape(b * heads, d), rotate).reshape(b, heads, d)
     q, k = mint.split(_add(_mul(qk, cos), _mul(rotated, sin)), (nh, nkv), 1)
-    return q.reshape(b, nkv, nh // nkv, d), k.reshape(b, nkv, 1, d), v.reshape(b, nkv, 1, d), gate
+    return q.reshape(b, nkv, nh // nkv, d), k.reshape(b, nkv, 1, d), v.reshape(b, nkv, 1, d), _sigmoid(gate)
 
 
 def _attention_out_rows(out, gate, o_t):
-    """The gated attention output projection of (B, nh * D) rows (a partial sum under TP)."""
-    return _matmul(_mul(out, _sigmoid(gate)), o_t)
+    """The gated attention output projection of (B, nh * D) rows (a partial sum under TP); ``gate``
+    is ``_attention_pre_rows``' sigmoid(gate logits)."""
+    return _matmul(_mul(out, gate), o_t)
 
 
 def _delta_layer_kernel(sizes, inter):
