@@ -76,6 +76,8 @@ rank must run the same collectives in the same order, which an SPMD forward does
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from typing import Dict, List
 
 import mindspore as ms
@@ -981,10 +983,42 @@ def _compiled(key: tuple, make):
         jitted = ms.jit(make())
 
         def graph(*args):
-            return jitted(*[a.contiguous() if isinstance(a, Tensor) and not a.is_contiguous() else a for a in args])
+            args = [a.contiguous() if isinstance(a, Tensor) and not a.is_contiguous() else a for a in args]
+            if threading.current_thread() is not threading.main_thread():
+                return jitted(*args)
+            return _keeping_ctrl_c(jitted, args)
 
         _COMPILED[key] = graph
     return graph
+
+
+def _keeping_ctrl_c(jitted, args):
+    """Run a graph so that Ctrl-C stays a KeyboardInterrupt. Each run of a MindSpore 2.10 graph
+    installs MindSpore's own SIGINT handler, which answers Ctrl-C by sending the process SIGTERM: a
+    JSONL job would die (exit -15) instead of stopping cleanly (exit 130, every finished row kept).
+    During the run a default SIGTERM becomes a KeyboardInterrupt; afterwards Python's SIGINT
+    handler is put back and SIGTERM's default restored (a few us a call)."""
+    interrupt, terminate = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    converting = terminate is signal.SIG_DFL
+    if converting:
+        signal.signal(signal.SIGTERM, _sigterm_as_keyboard_interrupt)
+    try:
+        out = jitted(*args)
+        _handle_pending_signals()  # a SIGTERM sent during the run raises here, before the restore
+        return out
+    finally:
+        if interrupt is not None:
+            signal.signal(signal.SIGINT, interrupt)
+        if converting:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _sigterm_as_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _handle_pending_signals():
+    """Nothing: calling a Python function lets the interpreter run pending signal handlers."""
 
 
 # In a graph ops.Transpose writes a contiguous copy, mint.transpose returns a view (a view output
