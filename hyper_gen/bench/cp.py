@@ -32,6 +32,10 @@ def run_cp(args):
     from .models import SHAPES, join_with_checkpoint
 
     ops, rank, world, threads, path = join_with_checkpoint(args, "cp")
+    if args.backend == "mindspore":  # else each rank's busy runtime threads share every core with the others'
+        from hyper_gen.backends.mindspore.ops import bind_local_rank_cores
+
+        threads = bind_local_rank_cores()
     ids = np.random.default_rng(0).integers(3, SHAPES[args.shape]["vocab_size"], (args.batch, args.prompt_len))
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_id=None)
     results, outputs = {}, {}

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from hyper_gen import __version__, registry
 from hyper_gen.parallel.launcher import launched_multi_rank, shutdown_distributed
@@ -55,6 +57,22 @@ def quiet_framework_logs() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def stop_cleanly_on_sigterm() -> bool:
+    """A single-process generate / chat job stops on SIGTERM as on Ctrl-C (exit 130, one line,
+    every finished row kept). MindSpore's graph runtime answers Ctrl-C by sending the process
+    SIGTERM, so without this a MindSpore job could die mid-row (exit -15); a user's own SIGTERM
+    handler, multi-rank jobs (the launcher stops their ranks) and the server are left alone.
+    True when it installed the handler (``main`` restores the default when the job ends)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+        return True
+    return False
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
@@ -65,6 +83,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:
         quiet_framework_logs()
+    sigterm_handled = args.command in ("generate", "chat") and not launched_multi_rank() and stop_cleanly_on_sigterm()
     try:
         if args.command == "generate":
             return run_generate(args)
@@ -78,6 +97,8 @@ def main(argv=None) -> int:
         print(f"hyper-gen: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130
     finally:
+        if sigterm_handled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if launched_multi_rank() and args.backend in registry.names():
             shutdown_distributed(args.backend)  # every rank leaves the job cleanly
 

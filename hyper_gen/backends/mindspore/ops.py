@@ -18,6 +18,7 @@ of an SPMD model (a tp x cp mesh) do; on Ascend (HCCL) subgroups are native.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import mindspore as ms
 import numpy as np
@@ -75,6 +76,37 @@ def new_group(name: str, ranks) -> str:
     create_group(name, ranks)
     _GROUP_MEMBERS[name] = ranks
     return name
+
+
+def bind_local_rank_cores() -> str:
+    """Bind every thread of this process to this rank's share of the cores it may run on, as
+    ``msrun --bind_core=True`` does; returns what it did. For ranks sharing one host (benchmarks).
+
+    MindSpore's CPU runtime keeps busy helper threads in every process (the kernel pool's actor
+    and kernel threads spin on ``sched_yield`` between kernels; the jit pipeline's frontend queue
+    launches compiled graphs), so ranks sharing a host's cores stall each other, and ranks that meet
+    in a collective per attention layer (context parallelism) wait on every such stall
+    (docs/performance.md).
+
+    Nothing is changed when not distributed, or when this process may run on fewer cores than
+    there are local ranks (msrun --bind_core or taskset bound it already); cores left over after
+    an even split stay unused."""
+    if not _communication_ready():
+        return "MindSpore's default CPU threads (not distributed: not bound)"
+    from mindspore.communication import get_local_rank, get_local_rank_size
+
+    cpus = sorted(os.sched_getaffinity(0))
+    local, size = get_local_rank(), get_local_rank_size()
+    share = len(cpus) // size
+    if share == 0:
+        return f"MindSpore's default CPU threads, bound to cores {cpus} already"
+    mine = set(cpus[local * share : (local + 1) * share])
+    for task in os.listdir("/proc/self/task"):  # threads made later inherit the main thread's cores
+        try:
+            os.sched_setaffinity(int(task), mine)
+        except OSError:  # a thread that has just exited
+            pass
+    return f"MindSpore's default CPU threads, each local rank's bound to {share} core{'s' if share > 1 else ''}"
 
 
 def _members(group) -> list:
