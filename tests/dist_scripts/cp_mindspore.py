@@ -9,11 +9,10 @@ usage: cp_mindspore.py LABEL=CHECKPOINT_DIR ...
 
 import sys
 
-import mindspore as ms
 import numpy as np
+from cp_mindspore_contract import contract_run  # this folder: on sys.path as the script's
 
 from hyper_gen import GenerationConfig, generate, load_model
-from hyper_gen.backends.mindspore.ops import MindSporeOps
 from hyper_gen.cache import DynamicCache, StaticCache
 from hyper_gen.parallel.launcher import host_ops, init_distributed
 
@@ -41,45 +40,6 @@ def padded_batch(vocab, width, seed=0):
         ids[row, width - n :] = rng.integers(1, vocab, n)
         mask[row, width - n :] = 1
     return ids, mask, rng.integers(1, vocab, (len(lengths), DECODE_STEPS))
-
-
-def contract_mask(prompt_mask, past, seq, total, dtype):
-    batch, width = prompt_mask.shape
-    real = np.ones((batch, total), bool)
-    real[:, :width] = prompt_mask.astype(bool)
-    visible = (np.arange(total)[None, :] <= np.arange(past, past + seq)[:, None])[None] & real[:, None, :]
-    return ms.Tensor(np.where(visible, 0.0, np.finfo(dtype).min).astype(dtype)[:, None])
-
-
-def contract_run(model, ids, prompt_mask, decode_ids, cache_class, dtype):
-    """Prefill (every position's logits), then one teacher-forced decode step per column of
-    decode_ids: every call's logits (numpy), and the cache."""
-    batch, width = ids.shape
-    cache = cache_class(MindSporeOps(), batch, width + decode_ids.shape[1])
-    cache.prompt_mask = ms.Tensor(prompt_mask.astype(dtype))
-    total = (lambda seq: cache.max_length) if cache.is_static else (lambda seq: cache.seq_length + seq)
-    positions = np.maximum(np.cumsum(prompt_mask, 1) - 1, 0) * prompt_mask
-    lengths = prompt_mask.sum(1)
-    out = model(
-        ms.Tensor(ids),
-        position_ids=ms.Tensor(positions),
-        attention_mask=contract_mask(prompt_mask, 0, width, total(width), dtype),
-        past_key_values=cache,
-    )["logits"].asnumpy()
-    outs = [out * prompt_mask[..., None]]
-    cache.advance(width)
-    cache.prompt_mask = None
-    for step in range(decode_ids.shape[1]):
-        out = model(
-            ms.Tensor(decode_ids[:, step : step + 1]),
-            position_ids=ms.Tensor((lengths + step)[:, None]),
-            attention_mask=contract_mask(prompt_mask, cache.seq_length, 1, total(1), dtype),
-            past_key_values=cache,
-            logits_to_keep=1,
-        )["logits"].asnumpy()
-        outs.append(out)
-        cache.advance(1)
-    return outs, cache
 
 
 def expected_kv_length(model, width, cache):
