@@ -12,10 +12,9 @@ MindSpore's float64 model runs the delta rule in float64, so its logits match on
 import re
 
 import pytest
-from launch import msrun, script
+from cp_jobs import CHECKPOINTS, job_line, run_job
 from qwen_checkpoints import make_checkpoint
 
-CHECKPOINTS = {"dense": ("dense", {}), "moe": ("moe", {"fused_experts": True})}
 DTYPES = ("float32", "float64")
 WIDTHS = (70, 200)
 GENERATE_RUNS = [(name, width) for width in (70, 200, 1, 129) for name in ("greedy", "seeded")]
@@ -25,28 +24,11 @@ LINE = re.compile(r"^rank (\d): (\w+) (\S+) (.*)$", re.M)
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cp_mindspore")
-    paths = {label: make_checkpoint(root, kind, **kwargs) for label, (kind, kwargs) in CHECKPOINTS.items()}
-    result = msrun(
-        [script("cp_mindspore.py")] + [f"{label}={path}" for label, path in paths.items()],
-        log_dir=str(root / "logs"),
-        timeout=600,
-    )
-    assert result.returncode == 0, result.worker_logs[-6000:]
-    for rank in (0, 1):
-        assert f"rank {rank}: done" in result.worker_logs, result.worker_logs[-6000:]
-    lines = {}
-    for rank, check, label, rest in LINE.findall(result.worker_logs):
-        width = re.match(r"width=(\d+) ", rest)
-        lines[(int(rank), check, label, int(width.group(1)) if width else None)] = rest
-    return lines, result.worker_logs
+    return run_job(tmp_path_factory, "cp_mindspore.py", 2, LINE)
 
 
 def _line(job, rank, check, label, width=None):
-    lines, text = job
-    key = (rank, check, label, width)
-    assert key in lines, f"no '{check} {label} width={width}' line from rank {rank}:\n{text[-3000:]}"
-    return lines[key]
+    return job_line(job, rank, check, label, width)
 
 
 @pytest.mark.distributed
@@ -119,13 +101,8 @@ def test_cp_outside_a_job_of_tp_times_cp_ranks_is_a_clear_error(tmp_path):
     from hyper_gen.backends.mindspore.models import qwen3_5
     from hyper_gen.models.checkpoint import Checkpoint
     from hyper_gen.parallel.cp_plan import CPPlan
-    from hyper_gen.parallel.tp_plan import TPPlan
 
-    path = make_checkpoint(tmp_path, "dense")
-    with pytest.raises(
-        ValueError, match=r"tp=2 x cp=2 needs 4 ranks \(tp \* cp\) but this process is rank 0 of a 1-rank"
-    ):
-        qwen3_5.load(Checkpoint(path), "float32", plan=TPPlan(2, 0), cp_plan=CPPlan(2, 0))
+    path = make_checkpoint(tmp_path, "dense")  # tp x cp: tests/test_cp_tp_mindspore.py
     with pytest.raises(
         ValueError, match=r"tp=1 x cp=2 needs 2 ranks \(tp \* cp\) but this process is rank 0 of a 1-rank"
     ):

@@ -16,10 +16,9 @@ subgroup.
 import re
 
 import pytest
-from launch import msrun, script
+from cp_jobs import job_line, run_job
 from qwen_checkpoints import make_checkpoint
 
-CHECKPOINTS = {"dense": ("dense", {}), "moe": ("moe", {"fused_experts": True})}
 RUNS = [("dense", "float64"), ("dense", "float32"), ("moe", "float64")]  # the script's (label, dtype) pairs
 WIDTHS = (70, 200)
 RANKS = range(4)
@@ -29,29 +28,11 @@ LINE = re.compile(r"^rank (\d): (\S+) (\S+) (.*)$", re.M)
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cp_tp_mindspore")
-    paths = {label: make_checkpoint(root, kind, **kwargs) for label, (kind, kwargs) in CHECKPOINTS.items()}
-    result = msrun(
-        [script("cp_tp_mindspore.py")] + [f"{label}={path}" for label, path in paths.items()],
-        log_dir=str(root / "logs"),
-        nproc=4,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.worker_logs[-6000:]
-    for rank in RANKS:
-        assert f"rank {rank}: done" in result.worker_logs, result.worker_logs[-6000:]
-    lines = {}
-    for rank, check, label, rest in LINE.findall(result.worker_logs):
-        width = re.match(r"width=(\d+) ", rest)
-        lines[(int(rank), check, label, int(width.group(1)) if width else None)] = rest
-    return lines, result.worker_logs
+    return run_job(tmp_path_factory, "cp_tp_mindspore.py", 4, LINE)
 
 
 def _line(job, rank, check, label, width=None):
-    lines, text = job
-    key = (rank, check, label, width)
-    assert key in lines, f"no '{check} {label} width={width}' line from rank {rank}:\n{text[-3000:]}"
-    return lines[key]
+    return job_line(job, rank, check, label, width)
 
 
 @pytest.mark.distributed
