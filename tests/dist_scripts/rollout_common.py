@@ -2,6 +2,7 @@
 prompts, one-line reports, and the comparisons (never raising: a rank that stopped early would
 leave the others waiting in a collective; tests/test_rollout_fsdp.py reads the lines)."""
 
+import atexit
 import math
 import sys
 import time
@@ -26,6 +27,7 @@ def setup(timeout_s=120):
     """One torch thread per rank, the gloo group (a bounded collective timeout), this rank and size."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    atexit.register(dist.destroy_process_group)  # a gloo group left open at exit can SIGABRT the rank
     return dist.get_rank(), dist.get_world_size()
 
 
