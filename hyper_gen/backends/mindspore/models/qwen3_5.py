@@ -29,7 +29,8 @@ float64, unlike ``ops.softplus``); sub-cells are called through ``construct`` (`
 adds a per-call overhead). A one-token forward goes further: its fixed-shape blocks (a whole
 Gated DeltaNet layer, an attention layer before and after its cache, the final norm and LM head)
 are compiled once per batch size with ``mindspore.jit`` ("compiled decode blocks" below; bitwise
-the PyNative results), so a decode step is ~11 graph launches and ~15 PyNative ops instead of
+the PyNative results) and launched as one graph per stretch between attention cores, so a
+decode step is 3 graph launches and ~15 PyNative ops instead of
 ~450 PyNative ops on the mid shape.
 
 Precision: float32 and float64 models compute everything in their own dtype; float16 models keep
@@ -960,8 +961,10 @@ class SparseMoE(nn.Cell):
 # a whole Gated DeltaNet layer (norm, projections, conv, delta rule, gated norm, MLP), an attention
 # layer's part before the cache (norm, q|k|v|gate, q/k norms, rotary) and after it (gate, o_proj,
 # MLP), and the final norm with the LM head. Weights are arguments, not constants, so every layer
-# of a kind shares one compiled graph per (shape, dtype); the sizes are closed over.
-# What stays in PyNative: the cache writes and the attention over the cached keys (their length
+# of a kind shares one compiled graph per (shape, dtype); the sizes are closed over. A dense
+# model at tp 1 runs these blocks as one graph per stretch between attention cores
+# (``_segment_kernel``: 3 graphs a step on the mid shape, 7 on 0.8B); MoE and tensor-parallel
+# models launch them block by block. What stays in PyNative: the cache writes and the attention over the cached keys (their length
 # grows every step), MoE routing (host), the tensor-parallel sums (collectives) and every prefill.
 
 # True (default): one-token forwards run the compiled blocks; False ($HYPER_GEN_MINDSPORE_JIT=0): all
@@ -1129,6 +1132,42 @@ def _attention_out_kernel():
     return _attention_out_rows
 
 
+def _segment_kernel(steps: tuple):
+    """Consecutive compiled blocks of a decode step as one graph: a graph launch from Python costs
+    far more than the kernels of a small block (docs/performance.md), so a step is one graph from
+    each attention core to the next. ``steps`` (constant, unrolled at compile time) is a tuple of
+    ``(kind, first argument, sizes, intermediate size)``; kinds, in the order they run:
+    ``post`` (an attention layer after its core: o_proj and MLP residuals; ``out``, ``gate`` are
+    that core's output and ``_attention_pre_rows``' gate), ``delta`` (a whole Gated DeltaNet layer;
+    its new conv and recurrent states are returned), ``pre`` (an attention layer up to its core:
+    q, k, v, gate are returned) and ``head`` (final norm and LM head: the logits are returned).
+    Returns (x or logits, q, k, v, gate or None, the delta layers' new states in layer order).
+    (The attention cores stay PyNative: with a static cache's write and attention in the graph
+    too, one graph per step, decode was slower, docs/performance.md.)"""
+
+    def segment(x, out, gate, *args):
+        states = ()
+        q = k = v = None
+        for kind, at, sizes, inter in steps:
+            if kind == "post":
+                x = _add(x, _attention_out_rows(out, gate, args[at]))
+                x = _add(x, _mlp_rows(x, args[at + 1], args[at + 2], args[at + 3], inter))
+            elif kind == "delta":
+                o, conv_state, state = _delta_step_rows(x, *args[at : at + 11], sizes)
+                x = _add(x, o)
+                x = _add(x, _mlp_rows(x, args[at + 2], args[at + 11], args[at + 12], inter))
+                states = states + (conv_state, state)
+            elif kind == "pre":
+                q, k, v, gate = _attention_pre_rows(x, *args[at : at + 7], sizes)
+            else:
+                h = _cast(_mul(_normalize(_cast(x, args[at].dtype), args[at]), args[at + 1]), x.dtype)
+                logits = [_matmul(h, block) for block in args[at + 2 : at + sizes]]
+                x = logits[0] if len(logits) == 1 else ops.concat(logits, -1)
+        return x, q, k, v, gate, states
+
+    return segment
+
+
 def _mlp_kernel(inter):
     def mlp(x, eps, up, down):
         return _mlp_rows(x, eps, up, down, inter)
@@ -1145,6 +1184,16 @@ def _head_kernel():
         return logits[0] if len(logits) == 1 else ops.concat(logits, -1)
 
     return head
+
+
+def _run_segment(steps: list, x, out, gate, args: list, written: list, cache):
+    """Run one ``_segment_kernel`` graph and store the new conv and recurrent states of its Gated
+    DeltaNet layers (indices ``written``) in the cache. Returns (x or logits, q, k, v, gate)."""
+    steps = tuple(steps)
+    x, q, k, v, gate, states = _compiled(("segment", steps), lambda: _segment_kernel(steps))(x, out, gate, *args)
+    for i, idx in enumerate(written):
+        cache.conv_states[idx], cache.recurrent_states[idx] = states[2 * i], states[2 * i + 1]
+    return x, q, k, v, gate
 
 
 class DecoderLayer(nn.Cell):
@@ -1353,6 +1402,10 @@ class Qwen3_5ForCausalLM(nn.Cell):
         packing = TokenPacking.of(cache, s) if cp_step is None else None
         x = self._embed(input_ids if packing is None else packing.pack(input_ids.reshape(-1, 1)))
         cos, sin = self._rotary(position_ids, x.dtype)
+        if s == 1 and COMPILED_DECODE and cp_step is None and packing is None:
+            logits = self._segmented_decode(x, cos, sin, attention_mask, cache)
+            if logits is not None:
+                return {"logits": logits.reshape(b, 1, -1)}
         for layer in self.layers:
             x = layer.construct(x, b, s, cos, sin, attention_mask, cache, cp_step, packing)
         if packing is not None:
@@ -1372,6 +1425,41 @@ class Qwen3_5ForCausalLM(nn.Cell):
         if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
             logits = MindSporeOps().all_gather(logits, axis=-1, group=self.tp_group)[..., : self.vocab_size]
         return {"logits": logits.reshape(b, kept, -1)}
+
+    def _segmented_decode(self, x, cos, sin, attention_mask, cache):
+        """One token per row as one compiled graph from each attention core to the next
+        (``_segment_kernel``) with the cores' PyNative attention over the cache between them; None
+        where the per-layer path runs instead (tensor parallelism, MoE, a Gated DeltaNet layer
+        without a state yet)."""
+        if self.tp_plan.tp > 1 or not all(isinstance(layer.mlp, MLP) for layer in self.layers):
+            return None
+        for layer in self.layers:
+            if not layer.is_attention and (
+                cache.conv_states.get(layer.mixer.layer_idx) is None
+                or cache.recurrent_states.get(layer.mixer.layer_idx) is None
+            ):
+                return None
+        b, dtype = x.shape[0], self.dtype  # (a pending tensor's .dtype waits for MindSpore's op queue)
+        steps, args, written, out, gate = [], [], [], None, None
+        for layer in self.layers:
+            mlp, mix = layer.mlp, layer.mixer
+            if layer.is_attention:
+                steps.append(("pre", len(args), (mix.num_heads, mix.num_kv_heads, mix.head_dim, mix.acc), 0))
+                args += [layer.eps, mix.qkv_t, mix.eps, mix.qk_norm, mix.rotate, cos, sin]
+                x, q, k, v, gate = _run_segment(steps, x, out, gate, args, written, cache)
+                out = mix.attend_one(q, k, v, attention_mask, cache, None, dtype)
+                steps, args, written = [("post", 0, (), mlp.inter)], [mix.o_t, layer.eps, mlp.up_gate_t, mlp.down_t], []
+            else:
+                idx = mix.layer_idx
+                sizes = (mix.conv_dim, mix.value_dim, mix.num_k_heads, mix.num_v_heads, mix.head_k_dim, mix.head_v_dim)
+                steps.append(("delta", len(args), sizes + (mix.acc,), mlp.inter))
+                args += [cache.conv_states[idx], cache.recurrent_states[idx], layer.eps, mix.in_proj_t, mix.conv_t]
+                args += [_ones((b, 1, mix.kernel), mix.conv_t.dtype), mix.a, mix.dt_bias, mix.out_t, mix.l2_eps]
+                args += [mix.gated_norm_eps, mlp.up_gate_t, mlp.down_t]
+                written.append(idx)
+        steps.append(("head", len(args), 2 + len(self.lm_head), 0))
+        args += [self.eps, self.norm, *self.lm_head]
+        return _run_segment(steps, x, out, gate, args, written, cache)[0]
 
     def _cp_step(self, cache, seq: int) -> CPStep:
         """The layout of this forward: a new one at the prefill (kept on the cache for decode)."""
