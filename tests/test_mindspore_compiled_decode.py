@@ -131,3 +131,24 @@ def test_compiled_blocks_give_a_row_the_same_bits_in_any_batch(tmp_path):
         for outputs in batched:
             for a, b in zip(alone, outputs):
                 np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_dense_decode_step_launches_one_graph_per_stretch_between_attention_cores(monkeypatch):
+    """A dense tp-1 model's decode step is one compiled graph from each attention core to the next
+    (and one for the last stretch with the LM head), not one per block: the launches, not the
+    kernels, were most of a small model's step (docs/performance.md)."""
+    from hyper_gen import generate
+    from hyper_gen.backends.mindspore.models import qwen3_5
+    from hyper_gen.demo import demo_model_path
+    from hyper_gen.models.loading import load_model
+
+    model = load_model(demo_model_path(), backend="mindspore", dtype="float32")
+    attention_layers = sum(layer.is_attention for layer in model.layers)
+    assert 0 < attention_layers < len(model.layers)
+    launched, segment = [], qwen3_5._run_segment
+    monkeypatch.setattr(qwen3_5, "_run_segment", lambda steps, *rest: launched.append(steps) or segment(steps, *rest))
+    ids = np.array([[85, 72, 89, 3, 20, 21, 22, 32]])
+    generate(model, ids, max_new_tokens=4)  # a prefill and 3 one-token steps
+    assert len(launched) == 3 * (attention_layers + 1)
+    kinds = [kind for steps in launched[: attention_layers + 1] for kind, *_ in steps]
+    assert kinds.count("delta") == len(model.layers) - attention_layers and kinds[-1] == "head"

@@ -964,8 +964,9 @@ class SparseMoE(nn.Cell):
 # of a kind shares one compiled graph per (shape, dtype); the sizes are closed over. A dense
 # model at tp 1 runs these blocks as one graph per stretch between attention cores
 # (``_segment_kernel``: 3 graphs a step on the mid shape, 7 on 0.8B); MoE and tensor-parallel
-# models launch them block by block. What stays in PyNative: the cache writes and the attention over the cached keys (their length
-# grows every step), MoE routing (host), the tensor-parallel sums (collectives) and every prefill.
+# models launch them block by block. What stays in PyNative: the cache writes and the attention
+# over the cached keys (their length grows every step), MoE routing (host), the tensor-parallel
+# sums (collectives) and every prefill.
 
 # True (default): one-token forwards run the compiled blocks; False ($HYPER_GEN_MINDSPORE_JIT=0): all
 # PyNative. A new batch size compiles once (~1-3 s on CPU) before its first step.
