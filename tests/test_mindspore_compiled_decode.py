@@ -8,6 +8,7 @@ import sys
 
 import mindspore as ms
 import numpy as np
+import pytest
 from launch import REPO, _env
 from mindspore import mint
 
@@ -20,23 +21,25 @@ from hyper_gen.backends.mindspore.models import qwen3_5
 model = load_model(demo_model_path(), backend="mindspore", dtype="float64")
 ids = np.array([[0, 0, 85, 72, 89, 3, 20, 21, 22, 32], [85, 72, 89, 3, 24, 23, 22, 21, 20, 32]])
 mask = (np.arange(10)[None, :] >= np.array([[2], [0]])).astype(np.int64)
-out = generate(model, ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True, output_logits=True)
+out = generate(model, ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True, output_logits=True,
+               cache_implementation=sys.argv[1])
 print(json.dumps({"compiled": qwen3_5.COMPILED_DECODE, "tokens": out.sequences.asnumpy().tolist(),
                   "logits": [l.asnumpy().astype(float).tolist() for l in out.logits]}))
 """
 
 
-def _run(compiled: bool):
+def _run(compiled: bool, cache: str):
     env = dict(_env(), HYPER_GEN_MINDSPORE_JIT="1" if compiled else "0")
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+        [sys.executable, "-c", SCRIPT, cache], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_compiled_decode_equals_pynative():
-    compiled, pynative = _run(True), _run(False)
+@pytest.mark.parametrize("cache", ["static", "dynamic"])  # one graph a step / one per stretch between attention cores
+def test_compiled_decode_equals_pynative(cache):
+    compiled, pynative = _run(True, cache), _run(False, cache)
     assert compiled["compiled"] is True and pynative["compiled"] is False
     assert compiled["tokens"] == pynative["tokens"]
     difference = np.abs(np.array(compiled["logits"]) - np.array(pynative["logits"])).max()
@@ -133,9 +136,11 @@ def test_compiled_blocks_give_a_row_the_same_bits_in_any_batch(tmp_path):
                 np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-def test_a_dense_decode_step_launches_one_graph_per_stretch_between_attention_cores(monkeypatch):
-    """A dense tp-1 model's decode step is one compiled graph from each attention core to the next
-    (and one for the last stretch with the LM head), not one per block: the launches, not the
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_a_dense_decode_step_launches_one_graph_or_one_per_stretch_between_attention_cores(cache, monkeypatch):
+    """A dense tp-1 model's decode step is one compiled graph with a static cache (its writes and
+    attention in the graph too), and with a dynamic cache one from each attention core to the next
+    plus one for the last stretch and the LM head: not one per block. The launches, not the
     kernels, were most of a small model's step (docs/performance.md)."""
     from hyper_gen import generate
     from hyper_gen.backends.mindspore.models import qwen3_5
@@ -148,7 +153,9 @@ def test_a_dense_decode_step_launches_one_graph_per_stretch_between_attention_co
     launched, segment = [], qwen3_5._run_segment
     monkeypatch.setattr(qwen3_5, "_run_segment", lambda steps, *rest: launched.append(steps) or segment(steps, *rest))
     ids = np.array([[85, 72, 89, 3, 20, 21, 22, 32]])
-    generate(model, ids, max_new_tokens=4)  # a prefill and 3 one-token steps
-    assert len(launched) == 3 * (attention_layers + 1)
-    kinds = [kind for steps in launched[: attention_layers + 1] for kind, *_ in steps]
+    generate(model, ids, max_new_tokens=4, cache_implementation=cache)  # a prefill and 3 one-token steps
+    per_step = 1 if cache == "static" else attention_layers + 1
+    assert len(launched) == 3 * per_step
+    kinds = [kind for steps in launched[:per_step] for kind, *_ in steps]
     assert kinds.count("delta") == len(model.layers) - attention_layers and kinds[-1] == "head"
+    assert kinds.count("attend") == (attention_layers if cache == "static" else 0)

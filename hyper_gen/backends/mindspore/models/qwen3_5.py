@@ -29,9 +29,9 @@ float64, unlike ``ops.softplus``); sub-cells are called through ``construct`` (`
 adds a per-call overhead). A one-token forward goes further: its fixed-shape blocks (a whole
 Gated DeltaNet layer, an attention layer before and after its cache, the final norm and LM head)
 are compiled once per batch size with ``mindspore.jit`` ("compiled decode blocks" below; bitwise
-the PyNative results) and launched as one graph per stretch between attention cores, so a
-decode step is 3 graph launches and ~15 PyNative ops instead of
-~450 PyNative ops on the mid shape.
+the PyNative results) and launched together: with a static cache (generate's default) a decode
+step is one graph, its cache writes and attention included, instead of ~450 PyNative ops on the
+mid shape; with a dynamic cache one graph per stretch between attention cores.
 
 Precision: float32 and float64 models compute everything in their own dtype; float16 models keep
 what HF upcasts (norms, softmax, rotary tables, the delta rule and its state) in float32. The
@@ -962,11 +962,12 @@ class SparseMoE(nn.Cell):
 # layer's part before the cache (norm, q|k|v|gate, q/k norms, rotary) and after it (gate, o_proj,
 # MLP), and the final norm with the LM head. Weights are arguments, not constants, so every layer
 # of a kind shares one compiled graph per (shape, dtype); the sizes are closed over. A dense
-# model at tp 1 runs these blocks as one graph per stretch between attention cores
-# (``_segment_kernel``: 3 graphs a step on the mid shape, 7 on 0.8B); MoE and tensor-parallel
-# models launch them block by block. What stays in PyNative: the cache writes and the attention
-# over the cached keys (their length grows every step), MoE routing (host), the tensor-parallel
-# sums (collectives) and every prefill.
+# model at tp 1 runs these blocks as one graph (``_segment_kernel``): the whole step with a
+# static cache, whose buffers have a fixed length; with a dynamic cache one graph per stretch
+# between attention cores (3 a step on the mid shape, 7 on 0.8B), the cache writes and the
+# attention over the cached keys (their length grows every step) in PyNative between them. MoE
+# and tensor-parallel models launch the blocks one by one. Always PyNative: MoE routing (host),
+# the tensor-parallel sums (collectives) and every prefill.
 
 # True (default): one-token forwards run the compiled blocks; False ($HYPER_GEN_MINDSPORE_JIT=0): all
 # PyNative. A new batch size compiles once (~1-3 s on CPU) before its first step.
@@ -1141,10 +1142,10 @@ def _segment_kernel(steps: tuple):
     ``post`` (an attention layer after its core: o_proj and MLP residuals; ``out``, ``gate`` are
     that core's output and ``_attention_pre_rows``' gate), ``delta`` (a whole Gated DeltaNet layer;
     its new conv and recurrent states are returned), ``pre`` (an attention layer up to its core:
-    q, k, v, gate are returned) and ``head`` (final norm and LM head: the logits are returned).
-    Returns (x or logits, q, k, v, gate or None, the delta layers' new states in layer order).
-    (The attention cores stay PyNative: with a static cache's write and attention in the graph
-    too, one graph per step, decode was slower, docs/performance.md.)"""
+    q, k, v, gate are returned), ``attend`` (the core over a static cache's whole buffers, this
+    token's keys and values written where the (1, 1, length, 1) mask ``write`` is set; the new
+    buffers are returned) and ``head`` (final norm and LM head: the logits are returned).
+    Returns (x or logits, q, k, v, gate or None, the new states and buffers in layer order)."""
 
     def segment(x, out, gate, *args):
         states = ()
@@ -1160,6 +1161,12 @@ def _segment_kernel(steps: tuple):
                 states = states + (conv_state, state)
             elif kind == "pre":
                 q, k, v, gate = _attention_pre_rows(x, *args[at : at + 7], sizes)
+            elif kind == "attend":  # a static cache: this token written at `write`, then attend_one's ops
+                keys, values = mint.where(args[at + 2], k, args[at]), mint.where(args[at + 2], v, args[at + 1])
+                scores = _add(_bmm_tb(q, keys), args[at + 3])
+                out = _bmm(_cast(_softmax(_cast(scores, sizes[0]), -1), x.dtype), values)
+                out = out.reshape(out.shape[0], sizes[1])
+                states = states + (keys, values)
             else:
                 h = _cast(_mul(_normalize(_cast(x, args[at].dtype), args[at]), args[at + 1]), x.dtype)
                 logits = [_matmul(h, block) for block in args[at + 2 : at + sizes]]
@@ -1188,13 +1195,24 @@ def _head_kernel():
 
 
 def _run_segment(steps: list, x, out, gate, args: list, written: list, cache):
-    """Run one ``_segment_kernel`` graph and store the new conv and recurrent states of its Gated
-    DeltaNet layers (indices ``written``) in the cache. Returns (x or logits, q, k, v, gate)."""
+    """Run one ``_segment_kernel`` graph and store what it wrote in the cache: ``written`` lists
+    its layers in order, ("delta", layer index) (conv and recurrent state) or ("attention", layer
+    index) (a static cache's key and value buffers). Returns (x or logits, q, k, v, gate)."""
     steps = tuple(steps)
     x, q, k, v, gate, states = _compiled(("segment", steps), lambda: _segment_kernel(steps))(x, out, gate, *args)
-    for i, idx in enumerate(written):
-        cache.conv_states[idx], cache.recurrent_states[idx] = states[2 * i], states[2 * i + 1]
+    for i, (kind, idx) in enumerate(written):
+        if kind == "delta":
+            cache.conv_states[idx], cache.recurrent_states[idx] = states[2 * i], states[2 * i + 1]
+        else:
+            cache.keys[idx], cache.values[idx] = states[2 * i], states[2 * i + 1]
     return x, q, k, v, gate
+
+
+def _write_mask(length: int, position: int) -> Tensor:
+    """(1, 1, length, 1) bool, True at ``position``: where a static cache's buffers take the token."""
+    mask = np.zeros((1, 1, length, 1), np.bool_)
+    mask[0, 0, position, 0] = True
+    return Tensor(mask)
 
 
 class DecoderLayer(nn.Cell):
@@ -1441,15 +1459,28 @@ class Qwen3_5ForCausalLM(nn.Cell):
             ):
                 return None
         b, dtype = x.shape[0], self.dtype  # (a pending tensor's .dtype waits for MindSpore's op queue)
+        # a static cache that has room for the token: its writes and attention join the graph,
+        # and the whole step is one graph
+        whole = cache.is_static and cache.seq_length < cache.max_length
+        whole = whole and all(layer.mixer.layer_idx in cache.keys for layer in self.layers if layer.is_attention)
+        write = _write_mask(cache.max_length, cache.seq_length) if whole else None
         steps, args, written, out, gate = [], [], [], None, None
         for layer in self.layers:
             mlp, mix = layer.mlp, layer.mixer
             if layer.is_attention:
+                idx = mix.layer_idx
                 steps.append(("pre", len(args), (mix.num_heads, mix.num_kv_heads, mix.head_dim, mix.acc), 0))
                 args += [layer.eps, mix.qkv_t, mix.eps, mix.qk_norm, mix.rotate, cos, sin]
-                x, q, k, v, gate = _run_segment(steps, x, out, gate, args, written, cache)
-                out = mix.attend_one(q, k, v, attention_mask, cache, None, dtype)
-                steps, args, written = [("post", 0, (), mlp.inter)], [mix.o_t, layer.eps, mlp.up_gate_t, mlp.down_t], []
+                if whole:
+                    steps.append(("attend", len(args), (mix.acc, mix.num_heads * mix.head_dim), 0))
+                    args += [cache.keys[idx], cache.values[idx], write, attention_mask]
+                    written.append(("attention", idx))
+                else:
+                    x, q, k, v, gate = _run_segment(steps, x, out, gate, args, written, cache)
+                    out = mix.attend_one(q, k, v, attention_mask, cache, None, dtype)
+                    steps, args, written = [], [], []
+                steps.append(("post", len(args), (), mlp.inter))
+                args += [mix.o_t, layer.eps, mlp.up_gate_t, mlp.down_t]
             else:
                 idx = mix.layer_idx
                 sizes = (mix.conv_dim, mix.value_dim, mix.num_k_heads, mix.num_v_heads, mix.head_k_dim, mix.head_v_dim)
@@ -1457,10 +1488,15 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 args += [cache.conv_states[idx], cache.recurrent_states[idx], layer.eps, mix.in_proj_t, mix.conv_t]
                 args += [_ones((b, 1, mix.kernel), mix.conv_t.dtype), mix.a, mix.dt_bias, mix.out_t, mix.l2_eps]
                 args += [mix.gated_norm_eps, mlp.up_gate_t, mlp.down_t]
-                written.append(idx)
+                written.append(("delta", idx))
         steps.append(("head", len(args), 2 + len(self.lm_head), 0))
         args += [self.eps, self.norm, *self.lm_head]
-        return _run_segment(steps, x, out, gate, args, written, cache)[0]
+        logits = _run_segment(steps, x, out, gate, args, written, cache)[0]
+        if whole:
+            # wait here, on the host: an op queued behind a running graph waits for it by spinning,
+            # which on a small host takes a core from the graph's own kernels (docs/performance.md)
+            logits.asnumpy()
+        return logits
 
     def _cp_step(self, cache, seq: int) -> CPStep:
         """The layout of this forward: a new one at the prefill (kept on the cache for decode)."""
