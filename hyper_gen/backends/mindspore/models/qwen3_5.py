@@ -204,6 +204,7 @@ def _cast(x: Tensor, dtype) -> Tensor:
 # the leak is cut where it is free to: the reductions below.
 _matmul = ops.MatMul()
 _bmm_tb = ops.BatchMatMul(transpose_b=True)
+_bmm_ta_flag = ops.BatchMatMul(transpose_a=True)  # a^T @ b without a transposed copy of a
 
 
 def _bmm(a: Tensor, b: Tensor) -> Tensor:
@@ -374,11 +375,11 @@ def _chunk_terms(q, k, v, g, beta, chunk: int = 0) -> dict:
         "length": s,
         "padded": bool(pad),
         "shape": (b, h, dk, dv),
-        "values": solved[..., :dv],
-        "k_cumdecay": solved[..., dv:],
+        "values": _take(solved, -1, 0, dv),
+        "k_cumdecay": _take(solved, -1, dv, solved.shape[-1]),
         "intra": _mul(_bmm_tb(q, k), decay),
         "q": _mul_tiled(q, exp_cum),
-        "k_t": _mul_tiled(k, _exp(_sub(cum[..., -1:], cum))[..., None]).swapaxes(-1, -2),
+        "k_decayed": _mul_tiled(k, _exp(_sub(cum[..., -1:], cum))[..., None]),  # k^T of the state update
         "chunk_decay": _exp(cum[..., -1])[..., None, None],
         "dtype": cum.dtype,
     }
@@ -388,14 +389,14 @@ def _chunk_scan(terms: dict, state, trim: bool = True):
     """The chunks in order, carrying the recurrent state: (output (B, H, S, Dv), final state);
     ``trim=False`` keeps the padded chunk positions (contiguous, for ``_gather_rows``)."""
     values, k_cumdecay, intra = terms["values"], terms["k_cumdecay"], terms["intra"]
-    q, k_t, chunk_decay = terms["q"], terms["k_t"], terms["chunk_decay"]
+    q, k_decayed, chunk_decay = terms["q"], terms["k_decayed"], terms["chunk_decay"]
     if state is None:
         state = ops.zeros(terms["shape"], terms["dtype"])
     outputs = []
-    for i in range(values.shape[2]):
-        v_new = _sub(values[:, :, i], _bmm(k_cumdecay[:, :, i], state))
-        outputs.append(_add(_bmm(q[:, :, i], state), _bmm(intra[:, :, i], v_new)))
-        state = _add(_mul(state, chunk_decay[:, :, i]), _bmm(k_t[:, :, i], v_new))
+    for i in range(values.shape[2]):  # chunk i of each term by _take: a [:, :, i] view copies slowly
+        v_new = _sub(_take(values, 2, i), _bmm(_take(k_cumdecay, 2, i), state))
+        outputs.append(_add(_bmm(_take(q, 2, i), state), _bmm(_take(intra, 2, i), v_new)))
+        state = _add(_mul(state, _take(chunk_decay, 2, i)), _bmm_ta_flag(_take(k_decayed, 2, i), v_new))
     out = outputs[0] if len(outputs) == 1 else ops.concat(outputs, 2)
     return (out[:, :, : terms["length"]] if terms["padded"] and trim else out), state
 
@@ -405,6 +406,24 @@ def _gather_rows(rows: Tensor, index: np.ndarray, shape: tuple) -> Tensor:
     Gather. MindSpore CPU copies a transposed view ~7x slower (1M floats: 5.4 ms vs 0.7 ms), and
     every kernel given such a view makes that copy first; a Gather is an exact copy."""
     return ops.gather(rows, Tensor(index.reshape(-1).astype(np.int32)), 0).reshape(shape)
+
+
+def _take(x: Tensor, axis: int, start: int, stop: int = None) -> Tensor:
+    """``x``'s positions ``start:stop`` along ``axis`` (with ``stop`` None the one position
+    ``start``, the axis dropped) as a new contiguous tensor, by one Gather: a kernel given a
+    strided view (a slice, a split part) first copies it ~4-8x slower than a Gather copies
+    (docs/performance.md). For the PyNative prefill; graphs take views for free."""
+    key = ("take", start, stop)
+    if key not in _CONSTANTS:
+        index = np.int32(start) if stop is None else np.arange(start, stop, dtype=np.int32)
+        _CONSTANTS[key] = Tensor(index)
+    return ops.gather(x, _CONSTANTS[key], axis % x.ndim)
+
+
+def _take_split(x: Tensor, sizes: tuple) -> list:
+    """``mint.split(x, sizes, -1)`` as contiguous tensors (``_take``)."""
+    starts = np.cumsum((0,) + tuple(sizes))
+    return [_take(x, -1, int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
 
 
 class TokenPacking:
@@ -622,18 +641,21 @@ class GatedAttention(nn.Cell):
         projected = _matmul(x, self.qkv_t)
         if packing is not None:
             projected = packing.unpack(projected)
-        qk, v, gate = mint.split(projected, self.split_sizes, -1)
+        qk, v, gate = _take_split(projected, self.split_sizes)
         qk = _cast(_mul(_normalize(_cast(qk.reshape(n, heads, d), self.acc), self.eps), self.qk_norm), x.dtype)
         rotated = _matmul(qk.reshape(n * heads, d), self.rotate).reshape(n, heads, d)
-        q, k = mint.split(_add(_mul(qk, cos), _mul(rotated, sin)), (nh, nkv), 1)
+        qk = _add(_mul(qk, cos), _mul(rotated, sin))
         group = nh // nkv
         if s == 1:
+            q, k = mint.split(qk, (nh, nkv), 1)
             k, v = k.reshape(b, nkv, 1, d), v.reshape(b, nkv, 1, d)
             q = q.reshape(b, nkv, group, d)  # GQA without repeating K/V: a kv head's queries are rows
-        else:
-            k = k.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
-            v = v.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
-            q = q.reshape(b, s, nh, d).transpose(0, 2, 1, 3).reshape(b, nkv, group * s, d)
+        else:  # head-major (B, heads, S, D) copies of the token-major rows by Gather (_gather_rows)
+            tokens = np.arange(b)[:, None, None] * s + np.arange(s)[None, None, :]  # (B, 1, S)
+            rows = qk.reshape(n * heads, d)
+            q = _gather_rows(rows, tokens * heads + np.arange(nh)[None, :, None], (b, nkv, group * s, d))
+            k = _gather_rows(rows, tokens * heads + nh + np.arange(nkv)[None, :, None], (b, nkv, s, d))
+            v = _gather_rows(v.reshape(n * nkv, d), tokens * nkv + np.arange(nkv)[None, :, None], (b, nkv, s, d))
         if cp_step is None:
             keys, values = cache.update(k, v, self.layer_idx)
         elif cp_step.decode:
@@ -657,8 +679,9 @@ class GatedAttention(nn.Cell):
         out = _bmm(probs.reshape(b, nkv, group * s, t), values)
         if s == 1:
             out = out.reshape(n, nh * d)
-        else:
-            out = out.reshape(b, nh, s, d).transpose(0, 2, 1, 3).reshape(n, nh * d)
+        else:  # token-major again: row (b, head, position) of the (B, nh, S, D) output
+            out_rows = (np.arange(b)[:, None, None] * nh + np.arange(nh)[None, None, :]) * s
+            out = _gather_rows(out.reshape(b * nh * s, d), out_rows + np.arange(s)[None, :, None], (n, nh * d))
         out = _mul(out, _sigmoid(gate))
         if packing is not None:
             out = packing.pack(out)
@@ -770,7 +793,7 @@ class GatedDeltaNet(nn.Cell):
         for j in range(1, self.kernel):
             out = _add(out, _mul_tiled(flat[j : j + rows], self.conv_taps[j]))
         if b > 1:
-            out = ops.concat([out, _zeros((keep, c), out.dtype)], 0).reshape(b, width, c)[:, :s]
+            out = _take(ops.concat([out, _zeros((keep, c), out.dtype)], 0).reshape(b, width, c), 1, 0, s)
         return _silu(_cast(out, mixed.dtype)).reshape(b * s, c)
 
     def _conv_context_parallel(self, mixed, cp_step: CPStep, cache):
@@ -813,9 +836,9 @@ class GatedDeltaNet(nn.Cell):
             x = x * prompt_mask.reshape(n, 1)  # left padding must not enter conv or state
         projected = _matmul(x, self.in_proj_t)
         if packing is not None:  # padding rows: the zeros HF's masked input projects to
-            z = mint.split(projected, self.split_sizes, -1)[1]
+            z = _take(projected, -1, self.conv_dim, self.conv_dim + self.value_dim)
             projected = packing.unpack(projected)
-        mixed, z_rows, beta, a = mint.split(projected, self.split_sizes, -1)
+        mixed, z_rows, beta, a = _take_split(projected, self.split_sizes)
         if packing is None:
             z = z_rows
         conv_state = cache.conv_states.get(self.layer_idx)
@@ -831,7 +854,7 @@ class GatedDeltaNet(nn.Cell):
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed = _cast(mixed, acc)
         qk, v = mint.split(mixed, (2 * self.key_dim, self.value_dim), -1)
-        qk = qk.reshape(n, 2 * nk, dk)
+        qk = _take(mixed, -1, 0, 2 * self.key_dim).reshape(n, 2 * nk, dk)
         qk = _div(qk, _sqrt(_add(_sum_last(_square(qk), -1), self.l2_eps)))  # l2 norm
         q, k = mint.split(qk, (nk, nk), 1)
         if nk != nv:  # value head j reads key head j // (nv / nk)
@@ -896,7 +919,7 @@ class MLP(nn.Cell):
 
     def construct(self, x):
         up_gate = _matmul(x, self.up_gate_t)
-        hidden = _mul(_glu(up_gate, -1), mint.narrow(up_gate, -1, self.inter, self.inter))
+        hidden = _mul(_glu(up_gate, -1), _take(up_gate, -1, self.inter, 2 * self.inter))
         return _matmul(hidden, self.down_t)
 
 
