@@ -130,3 +130,16 @@ def test_left_padded_prefill_packs_the_real_tokens(path, monkeypatch, variant, d
     tolerance = 1e-12 if dtype == "float64" else 1e-5
     for a, b in zip(packed.logits, padded.logits):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= tolerance
+
+
+def test_a_head_streamed_from_memory_is_read_in_narrow_blocks_on_cpu():
+    """The LM head is cut into blocks of up to 65536 columns, and of ~8K on CPU once it is larger
+    than the last-level cache (a 1 GB head read faster so; docs/performance.md)."""
+    from hyper_gen.backends.mindspore.models import qwen3_5
+
+    cache = qwen3_5._last_level_cache_bytes()
+    assert cache >= 1 << 20
+    assert qwen3_5._head_block_columns(2 * cache, cache, "CPU") == qwen3_5._STREAMED_HEAD_COLUMNS == 8192
+    assert qwen3_5._head_block_columns(cache // 2, cache, "CPU") == qwen3_5._HEAD_COLUMNS
+    assert qwen3_5._head_block_columns(2 * cache, cache, "Ascend") == qwen3_5._HEAD_COLUMNS
+    assert qwen3_5._block_width(248320, 8192) == 8128  # 31 blocks: 64 x an odd number of columns each
