@@ -876,7 +876,7 @@ class GatedDeltaNet(nn.Cell):
         acc = self.acc
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed = _cast(mixed, acc)
-        qk, v = mint.split(mixed, (2 * self.key_dim, self.value_dim), -1)
+        v = mint.split(mixed, (2 * self.key_dim, self.value_dim), -1)[1]
         qk = _take(mixed, -1, 0, 2 * self.key_dim).reshape(n, 2 * nk, dk)
         qk = _div(qk, _sqrt(_add(_sum_last(_square(qk), -1), self.l2_eps)))  # l2 norm
         q, k = mint.split(qk, (nk, nk), 1)
