@@ -1254,6 +1254,11 @@ def _run_segment(steps: list, x, out, gate, args: list, written: list, cache):
     return x, q, k, v, gate
 
 
+def _on_cpu() -> bool:
+    """Whether MindSpore runs on the host's CPU (no Ascend / GPU device)."""
+    return ms.get_context("device_target") == "CPU"
+
+
 def _write_mask(length: int, position: int) -> Tensor:
     """(1, 1, length, 1) bool, True at ``position``: where a static cache's buffers take the token."""
     mask = np.zeros((1, 1, length, 1), np.bool_)
@@ -1539,9 +1544,10 @@ class Qwen3_5ForCausalLM(nn.Cell):
         steps.append(("head", len(args), 2 + len(self.lm_head), 0))
         args += [self.eps, self.norm, *self.lm_head]
         logits = _run_segment(steps, x, out, gate, args, written, cache)[0]
-        if whole:
-            # wait here, on the host: an op queued behind a running graph waits for it by spinning,
-            # which on a small host takes a core from the graph's own kernels (docs/performance.md)
+        if whole and _on_cpu():
+            # wait here, on the host: an op queued behind a running graph competes with its kernels
+            # for the CPU cores while it waits (docs/performance.md); a device's kernels do not
+            # share the host's cores, and there this would copy the logits off the device each step
             logits.asnumpy()
         return logits
 
