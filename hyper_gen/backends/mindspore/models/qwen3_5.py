@@ -1185,7 +1185,9 @@ def _segment_kernel(steps: tuple):
     far more than the kernels of a small block (docs/performance.md), so a step is one graph from
     each attention core to the next. ``steps`` (constant, unrolled at compile time) is a tuple of
     ``(kind, first argument, sizes, intermediate size)``; kinds, in the order they run:
-    ``post`` (an attention layer after its core: o_proj and MLP residuals; ``out``, ``gate`` are
+    ``rope`` / ``rotary`` (the rotary tables the ``pre`` steps use: given, or computed from the
+    position ids and inv_freq), ``post`` (an attention layer after its core: o_proj and MLP
+    residuals; ``out``, ``gate`` are
     that core's output and ``_attention_pre_rows``' gate), ``delta`` (a whole Gated DeltaNet layer;
     its new conv and recurrent states are returned), ``pre`` (an attention layer up to its core:
     q, k, v, gate are returned), ``attend`` (the core over a static cache's whole buffers, this
@@ -1195,9 +1197,13 @@ def _segment_kernel(steps: tuple):
 
     def segment(x, out, gate, *args):
         states = ()
-        q = k = v = None
+        q = k = v = cos = sin = None
         for kind, at, sizes, inter in steps:
-            if kind == "post":
+            if kind == "rope":  # the rotary tables, given
+                cos, sin = args[at], args[at + 1]
+            elif kind == "rotary":  # the rotary tables from the position ids and inv_freq
+                cos, sin = _rotary_tables(args[at], args[at + 1], x.dtype)
+            elif kind == "post":
                 x = _add(x, _attention_out_rows(out, gate, args[at]))
                 x = _add(x, _mlp_rows(x, args[at + 1], args[at + 2], args[at + 3], inter))
             elif kind == "delta":
@@ -1206,7 +1212,7 @@ def _segment_kernel(steps: tuple):
                 x = _add(x, _mlp_rows(x, args[at + 2], args[at + 11], args[at + 12], inter))
                 states = states + (conv_state, state)
             elif kind == "pre":
-                q, k, v, gate = _attention_pre_rows(x, *args[at : at + 7], sizes)
+                q, k, v, gate = _attention_pre_rows(x, *args[at : at + 5], cos, sin, sizes)
             elif kind == "attend":  # a static cache: this token written at `write`, then attend_one's ops
                 keys, values = mint.where(args[at + 2], k, args[at]), mint.where(args[at + 2], v, args[at + 1])
                 scores = _add(_bmm_tb(q, keys), args[at + 3])
@@ -1238,6 +1244,14 @@ def _head_kernel():
         return logits[0] if len(logits) == 1 else ops.concat(logits, -1)
 
     return head
+
+
+def _rotary_tables(position_ids, inv_freq, dtype):
+    """cos, sin (B * S, 1, head_dim) in ``dtype``, computed in inv_freq's (compute) dtype; 1 and 0
+    on the dims past rotary_dim (inv_freq 0 there)."""
+    freqs = _mul(_cast(position_ids, inv_freq.dtype).reshape(-1, 1), inv_freq)
+    freqs = freqs.reshape(freqs.shape[0], 1, freqs.shape[1])
+    return _cast(ops.cos(freqs), dtype), _cast(ops.sin(freqs), dtype)
 
 
 def _run_segment(steps: list, x, out, gate, args: list, written: list, cache):
@@ -1444,11 +1458,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         return ops.gather(ops.concat(parts, 1), Tensor(np.argsort(order)), 1)
 
     def _rotary(self, position_ids, dtype):
-        """cos, sin (B * S, 1, head_dim) in the model dtype, computed in the compute dtype; 1 and 0
-        on the dims past rotary_dim."""
-        freqs = _mul(_cast(position_ids, self.inv_freq.dtype).reshape(-1, 1), self.inv_freq)
-        freqs = freqs.reshape(freqs.shape[0], 1, freqs.shape[1])
-        return _cast(ops.cos(freqs), dtype), _cast(ops.sin(freqs), dtype)
+        return _rotary_tables(position_ids, self.inv_freq, dtype)
 
     def construct(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
         """Contract call (docs/model_contract.md). Without a cache the forward is cacheless (a
@@ -1471,12 +1481,12 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 position_ids = position_ids[:, cp_step.start : cp_step.stop]
                 s = cp_step.stop - cp_step.start
         packing = TokenPacking.of(cache, s) if cp_step is None else None
-        x = self._embed(input_ids if packing is None else packing.pack(input_ids.reshape(-1, 1)))
-        cos, sin = self._rotary(position_ids, x.dtype)
         if s == 1 and COMPILED_DECODE and cp_step is None and packing is None:
-            logits = self._segmented_decode(x, cos, sin, attention_mask, cache)
+            logits = self._segmented_decode(input_ids, position_ids, attention_mask, cache)
             if logits is not None:
                 return {"logits": logits.reshape(b, 1, -1)}
+        x = self._embed(input_ids if packing is None else packing.pack(input_ids.reshape(-1, 1)))
+        cos, sin = self._rotary(position_ids, x.dtype)
         for layer in self.layers:
             x = layer.construct(x, b, s, cos, sin, attention_mask, cache, cp_step, packing)
         if packing is not None:
@@ -1497,9 +1507,10 @@ class Qwen3_5ForCausalLM(nn.Cell):
             logits = MindSporeOps().all_gather(logits, axis=-1, group=self.tp_group)[..., : self.vocab_size]
         return {"logits": logits.reshape(b, kept, -1)}
 
-    def _segmented_decode(self, x, cos, sin, attention_mask, cache):
-        """One token per row as one compiled graph from each attention core to the next
-        (``_segment_kernel``) with the cores' PyNative attention over the cache between them; None
+    def _segmented_decode(self, input_ids, position_ids, attention_mask, cache):
+        """One token per row through ``_segment_kernel`` graphs: with a static cache one graph for
+        the whole step after the embedding (rotary tables included), else one from
+        each attention core to the next with the cores' PyNative attention between them; None
         where the per-layer path runs instead (tensor parallelism, MoE, a Gated DeltaNet layer
         without a state yet)."""
         if self.tp_plan.tp > 1 or not all(isinstance(layer.mlp, MLP) for layer in self.layers):
@@ -1510,19 +1521,28 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 or cache.recurrent_states.get(layer.mixer.layer_idx) is None
             ):
                 return None
-        b, dtype = x.shape[0], self.dtype  # (a pending tensor's .dtype waits for MindSpore's op queue)
+        b, dtype = input_ids.shape[0], self.dtype  # (a pending tensor's .dtype waits for MindSpore's op queue)
         # a static cache that has room for the token: its writes and attention join the graph,
         # and the whole step is one graph
         whole = cache.is_static and cache.seq_length < cache.max_length
         whole = whole and all(layer.mixer.layer_idx in cache.keys for layer in self.layers if layer.is_attention)
         write = _write_mask(cache.max_length, cache.seq_length) if whole else None
-        steps, args, written, out, gate = [], [], [], None, None
+        # (the embedding stays PyNative: gathered in the graph, the step was ~10 ms slower)
+        x, steps, args = self._embed(input_ids), [], []
+        if whole:  # the rotary tables in the graph too
+            steps.append(("rotary", len(args), (), 0))
+            args += [position_ids, self.inv_freq]
+        else:  # each segment graph is given them
+            tables = self._rotary(position_ids, dtype)
+            steps.append(("rope", len(args), (), 0))
+            args += list(tables)
+        written, out, gate = [], None, None
         for layer in self.layers:
             mlp, mix = layer.mlp, layer.mixer
             if layer.is_attention:
                 idx = mix.layer_idx
                 steps.append(("pre", len(args), (mix.num_heads, mix.num_kv_heads, mix.head_dim, mix.acc), 0))
-                args += [layer.eps, mix.qkv_t, mix.eps, mix.qk_norm, mix.rotate, cos, sin]
+                args += [layer.eps, mix.qkv_t, mix.eps, mix.qk_norm, mix.rotate]
                 if whole:
                     steps.append(("attend", len(args), (mix.acc, mix.num_heads * mix.head_dim), 0))
                     args += [cache.keys[idx], cache.values[idx], write, attention_mask]
@@ -1530,7 +1550,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 else:
                     x, q, k, v, gate = _run_segment(steps, x, out, gate, args, written, cache)
                     out = mix.attend_one(q, k, v, attention_mask, cache, None, dtype)
-                    steps, args, written = [], [], []
+                    steps, args, written = [("rope", 0, (), 0)], list(tables), []
                 steps.append(("post", len(args), (), mlp.inter))
                 args += [mix.o_t, layer.eps, mlp.up_gate_t, mlp.down_t]
             else:
