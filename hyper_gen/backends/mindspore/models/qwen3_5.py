@@ -718,8 +718,7 @@ class GatedAttention(nn.Cell):
             out = self._attend_partial(q, k, v, attention_mask, cache, cp_step)
         else:
             keys, values = cache.update(k, v, self.layer_idx)
-            scores = _add(_bmm_tb(q, keys), attention_mask)  # (B, 1, 1, T) over (B, nkv, group, T)
-            out = _bmm(_cast(_softmax(_cast(scores, self.acc), -1), dtype), values)
+            return _attend_rows(q, keys, values, attention_mask, self.acc, dtype)
         return _cast(out, dtype).reshape(b, self.num_heads * self.head_dim)
 
     def _attend_partial(self, q, k, v, mask, cache, step: CPStep):
@@ -1137,15 +1136,18 @@ def _attention_out_rows(out, gate, o_t):
     return _matmul(_mul(out, gate), o_t)
 
 
-def _delta_layer_kernel(sizes, inter):
-    """A whole Gated DeltaNet decoder layer with a dense MLP (tp 1): (x, conv state, state)."""
+def _delta_layer_rows(x, conv_state, state, eps, *weights, sizes, inter):
+    """A whole Gated DeltaNet decoder layer with a dense MLP (tp 1) on (B, hidden) rows: (x, conv
+    state, state). ``weights``: ``_delta_step_rows``' in_proj_t ... gated_eps, then up, down."""
+    o, conv_state, state = _delta_step_rows(x, conv_state, state, eps, *weights[:8], sizes)
+    x = _add(x, o)
+    return _add(x, _mlp_rows(x, eps, weights[8], weights[9], inter)), conv_state, state
 
+
+def _delta_layer_kernel(sizes, inter):
     def layer(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps, up, down):
-        o, conv_state, state = _delta_step_rows(
-            x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps, sizes
-        )
-        x = _add(x, o)
-        return _add(x, _mlp_rows(x, eps, up, down, inter)), conv_state, state
+        weights = (in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps, up, down)
+        return _delta_layer_rows(x, conv_state, state, eps, *weights, sizes=sizes, inter=inter)
 
     return layer
 
@@ -1166,12 +1168,15 @@ def _attention_pre_kernel(sizes):
     return pre
 
 
-def _attention_post_kernel(inter):
+def _attention_post_rows(x, out, gate, o_t, eps, up, down, inter):
     """After the attention core (tp 1, dense MLP): both residual branches of the layer."""
+    x = _add(x, _attention_out_rows(out, gate, o_t))
+    return _add(x, _mlp_rows(x, eps, up, down, inter))
 
+
+def _attention_post_kernel(inter):
     def post(x, out, gate, o_t, eps, up, down):
-        x = _add(x, _attention_out_rows(out, gate, o_t))
-        return _add(x, _mlp_rows(x, eps, up, down, inter))
+        return _attention_post_rows(x, out, gate, o_t, eps, up, down, inter)
 
     return post
 
@@ -1204,25 +1209,18 @@ def _segment_kernel(steps: tuple):
             elif kind == "rotary":  # the rotary tables from the position ids and inv_freq
                 cos, sin = _rotary_tables(args[at], args[at + 1], x.dtype)
             elif kind == "post":
-                x = _add(x, _attention_out_rows(out, gate, args[at]))
-                x = _add(x, _mlp_rows(x, args[at + 1], args[at + 2], args[at + 3], inter))
+                x = _attention_post_rows(x, out, gate, *args[at : at + 4], inter)
             elif kind == "delta":
-                o, conv_state, state = _delta_step_rows(x, *args[at : at + 11], sizes)
-                x = _add(x, o)
-                x = _add(x, _mlp_rows(x, args[at + 2], args[at + 11], args[at + 12], inter))
+                x, conv_state, state = _delta_layer_rows(x, *args[at : at + 13], sizes=sizes, inter=inter)
                 states = states + (conv_state, state)
             elif kind == "pre":
                 q, k, v, gate = _attention_pre_rows(x, *args[at : at + 5], cos, sin, sizes)
             elif kind == "attend":  # a static cache: this token written at `write`, then attend_one's ops
                 keys, values = mint.where(args[at + 2], k, args[at]), mint.where(args[at + 2], v, args[at + 1])
-                scores = _add(_bmm_tb(q, keys), args[at + 3])
-                out = _bmm(_cast(_softmax(_cast(scores, sizes[0]), -1), x.dtype), values)
-                out = out.reshape(out.shape[0], sizes[1])
+                out = _attend_rows(q, keys, values, args[at + 3], sizes[0], x.dtype)
                 states = states + (keys, values)
             else:
-                h = _cast(_mul(_normalize(_cast(x, args[at].dtype), args[at]), args[at + 1]), x.dtype)
-                logits = [_matmul(h, block) for block in args[at + 2 : at + sizes]]
-                x = logits[0] if len(logits) == 1 else ops.concat(logits, -1)
+                x = _head_rows(x, args[at], args[at + 1], args[at + 2 : at + sizes])
         return x, q, k, v, gate, states
 
     return segment
@@ -1235,15 +1233,26 @@ def _mlp_kernel(inter):
     return mlp
 
 
-def _head_kernel():
+def _head_rows(x, eps, norm, blocks):
     """Final RMSNorm and the LM head blocks (concatenated) of (N, hidden) rows."""
+    h = _cast(_mul(_normalize(_cast(x, eps.dtype), eps), norm), x.dtype)
+    logits = [_matmul(h, block) for block in blocks]
+    return logits[0] if len(logits) == 1 else ops.concat(logits, -1)
 
+
+def _head_kernel():
     def head(x, eps, norm, *blocks):
-        h = _cast(_mul(_normalize(_cast(x, eps.dtype), eps), norm), x.dtype)
-        logits = [_matmul(h, block) for block in blocks]
-        return logits[0] if len(logits) == 1 else ops.concat(logits, -1)
+        return _head_rows(x, eps, norm, blocks)
 
     return head
+
+
+def _attend_rows(q, keys, values, mask, acc, dtype):
+    """One decode token's attention: q (B, nkv, group, D) over keys / values (B, nkv, T, D) with
+    the (B, 1, 1, T) additive mask, softmax in ``acc`` -> (B, nh * D) in ``dtype``."""
+    scores = _add(_bmm_tb(q, keys), mask)  # (B, 1, 1, T) over (B, nkv, group, T)
+    out = _cast(_bmm(_cast(_softmax(_cast(scores, acc), -1), dtype), values), dtype)
+    return out.reshape(out.shape[0], -1)
 
 
 def _rotary_tables(position_ids, inv_freq, dtype):
@@ -1500,9 +1509,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         if s == 1 and kept == 1 and COMPILED_DECODE:  # (a prefill's last row is a view: a new graph key)
             logits = _compiled(("head",), _head_kernel)(x, self.eps, self.norm, *self.lm_head)
         else:
-            h = _cast(_mul(_normalize(_cast(x, self.eps.dtype), self.eps), self.norm), x.dtype)
-            logits = [_matmul(h, block) for block in self.lm_head]
-            logits = logits[0] if len(logits) == 1 else ops.concat(logits, -1)
+            logits = _head_rows(x, self.eps, self.norm, self.lm_head)
         if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
             logits = MindSporeOps().all_gather(logits, axis=-1, group=self.tp_group)[..., : self.vocab_size]
         return {"logits": logits.reshape(b, kept, -1)}
@@ -1544,7 +1551,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 steps.append(("pre", len(args), (mix.num_heads, mix.num_kv_heads, mix.head_dim, mix.acc), 0))
                 args += [layer.eps, mix.qkv_t, mix.eps, mix.qk_norm, mix.rotate]
                 if whole:
-                    steps.append(("attend", len(args), (mix.acc, mix.num_heads * mix.head_dim), 0))
+                    steps.append(("attend", len(args), (mix.acc,), 0))
                     args += [cache.keys[idx], cache.values[idx], write, attention_mask]
                     written.append(("attention", idx))
                 else:
