@@ -1423,6 +1423,8 @@ class Qwen3_5ForCausalLM(nn.Cell):
         self.layers = nn.CellList(
             [DecoderLayer(cfg, weights, layer, i, self.partial_sum) for i, layer in enumerate(shard.layers)]
         )
+        # a dense tp-1 model's decode steps run as _segment_kernel graphs (_segmented_decode)
+        self.segments_decode = plan.tp == 1 and all(isinstance(layer.mlp, MLP) for layer in self.layers)
         self.norm = Tensor(weights.norm_scale(shard.final_norm)[None])
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         # rotary frequencies over the whole head: [f, f] on the rotary dims, 0 (cos 1, sin 0) after
@@ -1520,7 +1522,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         each attention core to the next with the cores' PyNative attention between them; None
         where the per-layer path runs instead (tensor parallelism, MoE, a Gated DeltaNet layer
         without a state yet)."""
-        if self.tp_plan.tp > 1 or not all(isinstance(layer.mlp, MLP) for layer in self.layers):
+        if not self.segments_decode:
             return None
         for layer in self.layers:
             if not layer.is_attention and (
