@@ -68,6 +68,13 @@ class Job:
     keep_bytes: int = 0  # the output's length without a partial last line
 
 
+def _lines_after(path: str, offset: int) -> int:
+    """Complete lines of ``path`` after byte ``offset``."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
@@ -296,6 +303,7 @@ def run_jsonl(
             with open(job.output_path, "rb+") as f:  # the half-written last line of a killed run
                 f.truncate(job.keep_bytes)
         out = open(job.output_path, "a", encoding="utf-8")
+        appended_from = os.path.getsize(job.output_path)
 
     def append(records) -> None:
         if out is not None and records:
@@ -353,7 +361,13 @@ def run_jsonl(
             progress.update(len(records))
             progress.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
     except KeyboardInterrupt:
-        finished = already + generated + errors
+        # counted on disk: an interrupt just after a write, before the counters moved, must not
+        # leave the message a row short of the file
+        if out is not None:
+            out.flush()
+            finished = already + _lines_after(job.output_path, appended_from)
+        else:
+            finished = already + generated + errors
         raise Interrupted(
             f"interrupted after {finished} of {total} rows; {job.output_path!r} keeps every finished row: "
             "run the same command again to resume"
