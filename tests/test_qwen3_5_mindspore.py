@@ -143,3 +143,81 @@ def test_a_head_streamed_from_memory_is_read_in_narrow_blocks_on_cpu():
     assert qwen3_5._head_block_columns(cache // 2, cache, "CPU") == qwen3_5._HEAD_COLUMNS
     assert qwen3_5._head_block_columns(2 * cache, cache, "Ascend") == qwen3_5._HEAD_COLUMNS
     assert qwen3_5._block_width(248320, 8192) == 8128  # 31 blocks: 64 x an odd number of columns each
+
+
+def test_fast_width_keeps_the_faster_of_two_widths(monkeypatch):
+    """A fused projection is stored at its width or at the padded candidate (64 times an odd
+    number, wider), whichever a timed MatMul finds at least 20% faster; once per shape and dtype."""
+    from hyper_gen.backends.mindspore import matmul_widths
+
+    assert [matmul_widths.candidate(w) for w in (3072, 2064, 5120, 7168, 1280, 3136)] == [
+        3136,
+        2112,
+        5184,
+        7232,
+        1344,
+        3264,
+    ]
+    monkeypatch.setattr(matmul_widths, "_CHOSEN", {})
+    calls = []
+
+    def timer(seconds):
+        def timed(rows, inner, width, dtype):
+            calls.append((rows, inner, width))
+            return seconds[width]
+
+        return timed
+
+    assert matmul_widths.fast_width(512, 3072, "f32", timer({3072: 1.0, 3136: 0.5})) == 3136
+    assert matmul_widths.fast_width(512, 3072, "f32", timer({})) == 3136  # chosen once: not timed again
+    assert matmul_widths.fast_width(512, 2064, "f32", timer({2064: 1.0, 2112: 0.9})) == 2064  # within the margin
+    assert calls == [(128, 512, 3136), (128, 512, 3072), (128, 512, 2112), (128, 512, 2064)]
+    # the real timer runs MindSpore's MatMul
+    assert 0 < matmul_widths._seconds(8, 16, 64, mindspore.float32) < 1
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_padded_projection_widths_change_no_result(path, monkeypatch, variant, dtype):
+    """Every fused projection stored at its padded width (the attention q|k|v|gate, the Gated
+    DeltaNet in_proj, the dense MLP's up|gate with zero rows in down) gives the tokens and logits of
+    the checkpoint's widths, in PyNative prefill and the compiled decode steps, static and dynamic
+    caches, a left-padded batch."""
+    from hyper_gen.backends.mindspore import matmul_widths
+    from hyper_gen.config import GenerationConfig
+    from hyper_gen.generation import generate
+
+    rng = np.random.default_rng(1)
+    lengths = np.array([9, 3, 6])
+    mask = (np.arange(9)[None, :] >= 9 - lengths[:, None]).astype(np.int64)
+    ids = rng.integers(3, VOCAB, (3, 9)) * mask
+
+    def run(model):
+        return [
+            generate(model, ids, config, attention_mask=mask)
+            for config in (
+                GenerationConfig(
+                    max_new_tokens=4, return_dict_in_generate=True, output_logits=True, cache_implementation=cache
+                )
+                for cache in ("static", "dynamic")
+            )
+        ]
+
+    monkeypatch.setenv("HYPER_GEN_MINDSPORE_PAD_WIDTHS", "0")
+    plain = load_model(path(variant), backend="mindspore", dtype=dtype)
+    monkeypatch.setenv("HYPER_GEN_MINDSPORE_PAD_WIDTHS", "1")
+    monkeypatch.setattr(
+        matmul_widths, "fast_width", lambda inner, width, dtype, timer=None: matmul_widths.candidate(width)
+    )
+    padded = load_model(path(variant), backend="mindspore", dtype=dtype)
+    for a, b in zip(plain.layers, padded.layers):
+        weights = ("qkv_t",) if a.is_attention else ("in_proj_t",)
+        for name in weights:
+            assert getattr(b.mixer, name).shape[1] == matmul_widths.candidate(getattr(a.mixer, name).shape[1])
+        if isinstance(a.mlp, native.MLP):
+            assert b.mlp.up_gate_t.shape[1] == matmul_widths.candidate(a.mlp.up_gate_t.shape[1])
+    tolerance = 1e-12 if dtype == "float64" else 1e-5
+    for ours, theirs in zip(run(padded), run(plain)):
+        assert np.array_equal(np.asarray(ours.sequences), np.asarray(theirs.sequences))
+        for a, b in zip(ours.logits, theirs.logits):
+            assert np.abs(np.asarray(a) - np.asarray(b)).max() <= tolerance

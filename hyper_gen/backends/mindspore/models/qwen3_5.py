@@ -8,7 +8,9 @@ Layout choices are for MindSpore on CPU (the measurements behind them: docs/perf
   features) activations: much faster on MindSpore CPU than ``linear`` with the checkpoint's
   (out, in) layout, and 2-D matmuls beat 3-D ones for one decode row;
 * projections that read the same input are concatenated into one matrix (q|k|v|gate, the DeltaNet
-  qkv|z|b|a, the MLP gate|up, the MoE router|shared-expert gate): fewer, larger ops;
+  qkv|z|b|a, the MLP gate|up, the MoE router|shared-expert gate): fewer, larger ops; on CPU each
+  of the first three is stored at the faster of its width and a zero-padded one, timed at load
+  (``hyper_gen.backends.mindspore.matmul_widths``: some widths run MindSpore's MatMul 2-3x slower);
 * every RMSNorm weight that feeds a projection is folded into that projection's rows at load time
   (``(1 + w)`` of the zero-centred norms, the gated norm's ``w`` into out_proj), so a norm is
   ``x / sqrt(mean(x^2) + eps)``: five small ops;
@@ -85,6 +87,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
+from hyper_gen.backends.mindspore import matmul_widths
 from hyper_gen.backends.mindspore.ops import MindSporeOps, new_group
 from hyper_gen.cache import DynamicCache
 from hyper_gen.models.checkpoint import Piece
@@ -183,18 +186,30 @@ class _Weights:
         computes with for the weights it upcasts (norm scales, decay rates, conv taps)."""
         return Tensor(np.ascontiguousarray(_round_to(array, self.dtype), dtype=_numpy_dtype(self.acc)))
 
-    def projection(self, blocks: List[np.ndarray], in_scale: np.ndarray = None) -> Parameter:
+    def projection(self, blocks: List[np.ndarray], in_scale: np.ndarray = None, width: int = None) -> Parameter:
         """(out, in) matrices concatenated along out, stored (in, out); ``in_scale`` (in,) multiplies
         the rows: the weight of the RMSNorm that feeds the projection, folded in once (the product
-        is taken in float64 and rounded to the model dtype once)."""
+        is taken in float64 and rounded to the model dtype once). ``width``: zero columns appended
+        up to it (``fast_width``)."""
         matrix = np.concatenate(blocks, axis=0).T
+        if width is not None and width > matrix.shape[1]:
+            matrix = np.concatenate([matrix, np.zeros((matrix.shape[0], width - matrix.shape[1]), matrix.dtype)], 1)
         if in_scale is not None:
             matrix = matrix.astype(np.float64) * in_scale.astype(np.float64)[:, None]
         return self.param(matrix)
 
-    def linear_t(self, pieces: List[Piece], in_scale: np.ndarray = None) -> Parameter:
-        """``projection`` of the (out, in) checkpoint pieces, in order."""
-        return self.projection([self.read(piece) for piece in pieces], in_scale)
+    def linear_t(self, pieces: List[Piece], in_scale: np.ndarray = None, pad: bool = False) -> Parameter:
+        """``projection`` of the (out, in) checkpoint pieces, in order; ``pad``: at ``fast_width``."""
+        blocks = [self.read(piece) for piece in pieces]
+        width = self.fast_width(blocks[0].shape[1], sum(b.shape[0] for b in blocks)) if pad else None
+        return self.projection(blocks, in_scale, width)
+
+    def fast_width(self, inner: int, width: int) -> int:
+        """The width an (inner, width) fused projection is stored with: on CPU the faster of it
+        and a zero-padded one, timed here (``hyper_gen.backends.mindspore.matmul_widths``)."""
+        if ms.get_context("device_target") != "CPU" or not matmul_widths.enabled():
+            return width
+        return matmul_widths.fast_width(inner, width, self.ms_dtype)
 
     def norm_scale(self, piece: Piece) -> np.ndarray:
         """``1 + w`` of a zero-centred RMSNorm, as HF computes it (model-dtype ``w`` plus one in
@@ -639,6 +654,7 @@ class GatedAttention(nn.Cell):
                 query_gate[:, 1].reshape(-1, h),
             ],
             in_scale,
+            weights.fast_width(h, (2 * self.num_heads + 2 * self.num_kv_heads) * d),
         )
         self.split_sizes = ((self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d, self.num_heads * d)
         self.o_t = weights.linear_t([shard.o_proj])
@@ -772,7 +788,7 @@ class GatedDeltaNet(nn.Cell):
         # o / sqrt(mean(o^2) + eps * Dk) is exactly HF's gated norm of it (o only feeds that norm).
         self.gated_norm_eps = _scalar(cfg.rms_norm_eps * dk, weights.acc)
         # one projection: [q | k | v] (this rank's conv channels) | z | b | a
-        self.in_proj_t = weights.linear_t([shard.qkv, shard.z, shard.b, shard.a], in_scale)
+        self.in_proj_t = weights.linear_t([shard.qkv, shard.z, shard.b, shard.a], in_scale, pad=True)
         self.split_sizes = (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
         conv = weights.read(shard.conv)  # (channels, 1, kernel)
         self.conv_t = weights.constant(conv[None, :, 0, :].transpose(0, 2, 1))  # (1, kernel, channels)
@@ -935,9 +951,13 @@ class MLP(nn.Cell):
         self, weights: _Weights, gate: np.ndarray, up: np.ndarray, down: np.ndarray, in_scale: np.ndarray = None
     ):
         super().__init__()
-        self.inter = gate.shape[0]
-        self.up_gate_t = weights.projection([up, gate], in_scale)
-        self.down_t = weights.param(down.T)
+        # up | gate, each half zero-padded to fast_width / 2 (down gets as many zero rows):
+        # glu of the padded halves is 0 on the padding
+        inter, hidden = gate.shape
+        self.inter = weights.fast_width(hidden, 2 * inter) // 2
+        pad = np.zeros((self.inter - inter, hidden), gate.dtype)
+        self.up_gate_t = weights.projection([up, pad, gate, pad], in_scale)
+        self.down_t = weights.param(np.concatenate([down.T, np.zeros((self.inter - inter, down.shape[0]), down.dtype)]))
 
     def construct(self, x):
         up_gate = _matmul(x, self.up_gate_t)
@@ -1083,12 +1103,19 @@ def _mlp_rows(x, eps, up_gate_t, down_t, inter):
     return _matmul(_mul(_glu(up_gate, -1), up_gate[:, inter:]), down_t)  # (no float64 NarrowView in graphs)
 
 
+def _whole(sizes: tuple, width: int) -> tuple:
+    """``sizes`` and, if they fall short of ``width``, the rest: the split of a padded projection."""
+    rest = width - sum(sizes)
+    return sizes + (rest,) if rest else sizes
+
+
 def _delta_step_rows(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_bias, out_t, l2_eps, gated_eps, sizes):
     """One decode token of a Gated DeltaNet mixer on (B, hidden) rows, its input RMSNorm included:
     (partial output, new conv state, new recurrent state); ``GatedDeltaNet.construct`` op for op."""
     conv_dim, value_dim, nk, nv, dk, dv, acc = sizes
     b = x.shape[0]
-    mixed, z, beta, a_in = mint.split(_matmul(_rms_norm(x, eps), in_proj_t), (conv_dim, value_dim, nv, nv), -1)
+    projected = _matmul(_rms_norm(x, eps), in_proj_t)
+    mixed, z, beta, a_in = mint.split(projected, _whole((conv_dim, value_dim, nv, nv), projected.shape[-1]), -1)[:4]
     window = ops.concat([mint.transpose(conv_state, 1, 2), mixed.reshape(b, 1, conv_dim)], 1)  # (B, kernel, C)
     new_conv = _transpose_copy(window[:, 1:], (0, 2, 1))  # contiguous: the next step's input (_compiled)
     taps = _mul(_cast(window, conv_t.dtype), conv_t)
@@ -1123,7 +1150,8 @@ def _attention_pre_rows(x, eps, qkv_t, norm_eps, qk_norm, rotate, cos, sin, size
     nh, nkv, d, acc = sizes
     b, heads = x.shape[0], nh + nkv
     split = ((nh + nkv) * d, nkv * d, nh * d)
-    qk, v, gate = mint.split(_matmul(_rms_norm(x, eps), qkv_t), split, -1)
+    projected = _matmul(_rms_norm(x, eps), qkv_t)
+    qk, v, gate = mint.split(projected, _whole(split, projected.shape[-1]), -1)[:3]
     qk = _cast(_mul(_normalize(_cast(qk.reshape(b, heads, d), acc), norm_eps), qk_norm), x.dtype)
     rotated = _matmul(qk.reshape(b * heads, d), rotate).reshape(b, heads, d)
     q, k = mint.split(_add(_mul(qk, cos), _mul(rotated, sin)), (nh, nkv), 1)
