@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_gen.backends.torch.devices import npu_available
+from hyper_gen.backends.torch.packed_gemm import project
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import (
@@ -282,7 +283,7 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention_mask, cache, cp_step: Optional[CPStep] = None, packing=None):
-        projected = x @ self.qkv_proj
+        projected = project(x, self.qkv_proj)
         if packing is not None:
             projected = packing.unpack(projected)
         b, s, _ = projected.shape
@@ -304,7 +305,7 @@ class GatedAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
         if packing is not None:
             out = packing.pack(out)
-        return out @ self.o_proj
+        return project(out, self.o_proj)
 
     def _attend_context_parallel(self, query, key, value, mask, cache, step: CPStep):
         """Sharded prefill: this rank's queries over every rank's K/V (one all-gather of K|V), the
@@ -538,7 +539,7 @@ class GatedDeltaNet(nn.Module):
             conv_state = cache.conv_states.get(self.layer_idx)
             recurrent_state = cache.recurrent_states.get(self.layer_idx)
 
-        mixed, z = (x @ self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
+        mixed, z = project(x, self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
         beta, decay = x @ self.in_proj_b, x @ self.in_proj_a
         if packing is not None:  # padding positions: the zeros HF's masked input projects to
             mixed, beta, decay = packing.unpack(mixed), packing.unpack(beta), packing.unpack(decay)
@@ -568,7 +569,7 @@ class GatedDeltaNet(nn.Module):
         out = gated_rms_norm(
             out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps
         )
-        return out.reshape(shape) @ self.out_proj
+        return project(out.reshape(shape), self.out_proj)
 
     def _conv(self, mixed: torch.Tensor, state: Optional[torch.Tensor]):
         """Depthwise causal conv + SiLU of (B, C, S); returns it and the new (B, C, K-1) state."""
@@ -663,8 +664,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(intermediate_size, hidden_size))
 
     def forward(self, x):
-        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down_proj
+        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)
+        return project(F.silu(gate) * up, self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -873,7 +874,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = hidden @ head
+        logits = project(hidden, head)
         if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
             parts = [torch.empty_like(logits) for _ in range(self.tp_plan.tp)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
