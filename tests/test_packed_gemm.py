@@ -27,36 +27,37 @@ def test_packed_products_are_f_linear_and_packed_once_per_row_count():
     w = torch.randn(96, 200)  # (in, out)
     packed_rows = []
     for rows in (16, 16, 9, 9):
-        x = torch.randn(rows, 96)
+        x = torch.randn(rows, 1, 96)
         out = weights.project(x, w)
         packed_rows.append(weights.packed[id(w)][0])
         assert torch.equal(out, F.linear(x, w.t().contiguous()))  # HF's product, bitwise
         torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-5)
     assert packed_rows == [16, 16, 9, 9] and len(weights.packed) == 1  # one copy, repacked for 9 rows
     assert weights.bytes == weights.packed[id(w)][1].numel() * 4
-    x3 = torch.randn(4, 4, 96)  # 16 rows as (B, S, in)
-    assert torch.equal(weights.project(x3, w), F.linear(x3, w.t().contiguous()))
+    prompt = torch.randn(1, 16, 96)  # a prompt's 16 positions: not packed (each length would repack)
+    assert torch.equal(weights.project(prompt, w), prompt @ w)
+    assert torch.equal(weights.project(prompt.reshape(16, 96), w), prompt.reshape(16, 96) @ w)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 65])
 def test_other_row_counts_and_dtypes_are_plain_products(rows):
     weights = packed_gemm.PackedWeights(budget=1 << 30)
     w = torch.randn(32, 48)
-    x = torch.randn(rows, 32)
+    x = torch.randn(rows, 1, 32)
     assert torch.equal(weights.project(x, w), x @ w) and not weights.packed
-    w64, x64 = w.double(), torch.randn(16, 32, dtype=torch.float64)
+    w64, x64 = w.double(), torch.randn(16, 1, 32, dtype=torch.float64)
     assert torch.equal(weights.project(x64, w64), x64 @ w64) and not weights.packed
 
 
 def test_the_budget_bounds_the_packed_copies_and_a_freed_weight_frees_its_copy():
     weights = packed_gemm.PackedWeights(budget=1 << 30)
     w = torch.randn(256, 512)
-    weights.project(torch.randn(16, 256), w)
+    weights.project(torch.randn(16, 1, 256), w)
     one = weights.bytes
     assert one > w.numel() * 4  # a packed copy is larger than the weight
     tight = packed_gemm.PackedWeights(budget=one + one // 2)
     a, b = torch.randn(256, 512), torch.randn(256, 512)
-    x = torch.randn(16, 256)
+    x = torch.randn(16, 1, 256)
     assert torch.equal(tight.project(x, a), F.linear(x, a.t().contiguous()))
     assert torch.equal(tight.project(x, b), x @ b)  # over the budget: the plain product
     assert set(tight.packed) == {id(a)} and (id(b), 16) in tight.refused
@@ -72,9 +73,9 @@ def test_a_row_count_is_packed_once_it_holds(monkeypatch):
     weights = packed_gemm.PackedWeights(budget=1 << 30)
     w = torch.randn(32, 64)
     for rows in (16, 12, 16, 12, 16, 16):
-        weights.project(torch.randn(rows, 32), w)
+        weights.project(torch.randn(rows, 1, 32), w)
         assert not weights.packed
-    weights.project(torch.randn(16, 32), w)
+    weights.project(torch.randn(16, 1, 32), w)
     assert weights.packed[id(w)][0] == 16
 
 

@@ -1,6 +1,6 @@
 """Batched decode projections through MKL's packed GEMM on CPU.
 
-A decode step of B rows multiplies (B, in) activations by each (in, out) weight. For 8-64 rows
+A decode step of B rows multiplies (B, 1, in) activations by each (in, out) weight. For 8-64 rows
 MKL's plain sgemm repacks the weight on every call and streams it at well under the memory
 bandwidth; ``cblas_sgemm_pack`` once per weight and row count (``torch.ops.mkl``, what
 TorchInductor's CPU weight prepacking uses) removes that, and the product is bitwise what
@@ -21,7 +21,7 @@ from typing import Dict
 import torch
 
 MIN_ROWS = 8  # below this the plain product streams as fast (matrix-vector paths)
-MAX_ROWS = 64  # above this a prefill: packing per row count would cost more than it saves
+MAX_ROWS = 64  # a larger batch streams its weights well enough unpacked
 STEADY_CALLS = 4  # a weight is packed for a row count once this many calls in a row had it
 
 
@@ -52,9 +52,12 @@ class PackedWeights:
         self.enabled = self.budget > 0 and available()
 
     def project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x @ w`` for an (in, out) weight ``w``."""
-        rows = x.numel() // x.shape[-1]
-        if not (self.enabled and MIN_ROWS <= rows <= MAX_ROWS) or not _eligible(x, w):
+        """``x @ w`` for an (in, out) weight ``w``; packed for a decode step's (B, 1, in) ``x``
+        (a prompt's rows vary with its length: each new length would repack)."""
+        rows = x.shape[0]
+        if not (self.enabled and x.dim() == 3 and x.shape[1] == 1 and MIN_ROWS <= rows <= MAX_ROWS):
+            return x @ w
+        if not _eligible(x, w):
             return x @ w
         entry = self.packed.get(id(w))
         if entry is None or entry[0] != rows:
