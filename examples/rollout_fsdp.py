@@ -20,6 +20,8 @@ here; on GPUs, ``init_process_group("nccl")`` and the model on ``cuda:LOCAL_RANK
 """
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -85,4 +87,11 @@ dist.all_gather_object(everyone, lines)  # rank 0 prints them all: ranks writing
 if rank == 0:
     print("\n".join(line for rank_lines in everyone for line in rank_lines), flush=True)
     print(f"done: {len(numbers)} prompts over {world} ranks, {args.samples} samples each", flush=True)
+dist.barrier()  # every rank done with the group before any rank tears it down
 dist.destroy_process_group()
+# Leave without the interpreter's teardown: gloo worker threads still holding FSDP's async work
+# can abort a rank at finalization ("terminate called without an active exception", SIGABRT;
+# pytorch/pytorch#179291) after all its work is done.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
