@@ -176,8 +176,7 @@ def test_fast_width_keeps_the_faster_of_two_widths(monkeypatch):
     assert 0 < matmul_widths._seconds(8, 16, 64, mindspore.float32) < 1
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe"])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("variant, dtype", [("dense", "float64"), ("moe", "float32")])
 def test_padded_projection_widths_change_no_result(path, monkeypatch, variant, dtype):
     """Every fused projection stored at its padded width (the attention q|k|v|gate, the Gated
     DeltaNet in_proj, the dense MLP's up|gate with zero rows in down) gives the tokens and logits of
