@@ -186,23 +186,22 @@ class _Weights:
         computes with for the weights it upcasts (norm scales, decay rates, conv taps)."""
         return Tensor(np.ascontiguousarray(_round_to(array, self.dtype), dtype=_numpy_dtype(self.acc)))
 
-    def projection(self, blocks: List[np.ndarray], in_scale: np.ndarray = None, width: int = None) -> Parameter:
+    def projection(self, blocks: List[np.ndarray], in_scale: np.ndarray = None, pad: bool = False) -> Parameter:
         """(out, in) matrices concatenated along out, stored (in, out); ``in_scale`` (in,) multiplies
         the rows: the weight of the RMSNorm that feeds the projection, folded in once (the product
-        is taken in float64 and rounded to the model dtype once). ``width``: zero columns appended
-        up to it (``fast_width``)."""
+        is taken in float64 and rounded to the model dtype once). ``pad``: zero columns appended up
+        to ``fast_width``."""
         matrix = np.concatenate(blocks, axis=0).T
-        if width is not None and width > matrix.shape[1]:
+        width = self.fast_width(*matrix.shape) if pad else matrix.shape[1]
+        if width > matrix.shape[1]:
             matrix = np.concatenate([matrix, np.zeros((matrix.shape[0], width - matrix.shape[1]), matrix.dtype)], 1)
         if in_scale is not None:
             matrix = matrix.astype(np.float64) * in_scale.astype(np.float64)[:, None]
         return self.param(matrix)
 
     def linear_t(self, pieces: List[Piece], in_scale: np.ndarray = None, pad: bool = False) -> Parameter:
-        """``projection`` of the (out, in) checkpoint pieces, in order; ``pad``: at ``fast_width``."""
-        blocks = [self.read(piece) for piece in pieces]
-        width = self.fast_width(blocks[0].shape[1], sum(b.shape[0] for b in blocks)) if pad else None
-        return self.projection(blocks, in_scale, width)
+        """``projection`` of the (out, in) checkpoint pieces, in order."""
+        return self.projection([self.read(piece) for piece in pieces], in_scale, pad)
 
     def fast_width(self, inner: int, width: int) -> int:
         """The width an (inner, width) fused projection is stored with: on CPU the faster of it
@@ -654,7 +653,7 @@ class GatedAttention(nn.Cell):
                 query_gate[:, 1].reshape(-1, h),
             ],
             in_scale,
-            weights.fast_width(h, (2 * self.num_heads + 2 * self.num_kv_heads) * d),
+            pad=True,
         )
         self.split_sizes = ((self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d, self.num_heads * d)
         self.o_t = weights.linear_t([shard.o_proj])
