@@ -3,8 +3,9 @@
 A decode step of B rows multiplies (B, 1, in) activations by each (in, out) weight. For 8-64 rows
 MKL's plain sgemm repacks the weight on every call and streams it at well under the memory
 bandwidth; ``cblas_sgemm_pack`` once per weight and row count (``torch.ops.mkl``, what
-TorchInductor's CPU weight prepacking uses) removes that, and the product is bitwise what
-``F.linear`` gives on the checkpoint's (out, in) weight, i.e. HF's arithmetic
+TorchInductor's CPU weight prepacking uses) removes that, and the product is what ``F.linear``
+gives on the checkpoint's (out, in) weight, i.e. HF's arithmetic: bitwise on the Intel hosts
+measured, to float32 rounding where MKL takes its generic path (an AMD EPYC)
 (docs/performance.md). A packed copy is kept per weight for one row count: the batch being
 decoded, once it has held for ``STEADY_CALLS`` calls (a new row count repacks). A copy takes
 about 2.3 times the weight's memory, so packing stops where the copies would pass

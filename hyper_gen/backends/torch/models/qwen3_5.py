@@ -63,8 +63,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_gen.backends.torch import blocked_gemm
 from hyper_gen.backends.torch.devices import npu_available
-from hyper_gen.backends.torch.packed_gemm import project
+from hyper_gen.backends.torch.projection import project
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import (
@@ -908,6 +909,8 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def _columns(self, ids):
         """(B, S) ids -> (B, S, H) embedding rows, gathered as columns of the (H, rows) matrix."""
+        if self.embed_tokens.t().is_contiguous():  # kept in (rows, H) memory: gather its rows
+            return torch.index_select(self.embed_tokens.t(), 0, ids.reshape(-1)).view(*ids.shape, -1)
         columns = torch.index_select(self.embed_tokens, 1, ids.reshape(-1))  # (H, B*S)
         return columns.t().contiguous().view(*ids.shape, -1)  # contiguous: reductions sum in HF's order
 
@@ -932,8 +935,14 @@ def _matrix_layout(w_t: torch.Tensor) -> torch.Tensor:
     float16 / bfloat16. float64 is the bit-for-bit check against HF: it keeps
     HF's (out, in) memory, so ``x @ w`` is exactly ``F.linear`` (MKL sums the other layout in
     another order, and the float32 islands -- norms, the delta rule -- amplify that last-bit
-    difference into a visible one)."""
-    return w_t if w_t.dtype == torch.float64 else w_t.contiguous()
+    difference into a visible one). A float32 CPU weight whose shape multiplies faster in column
+    blocks on this host keeps the (out, in) memory too, which the blocks are cut from
+    (``blocked_gemm``)."""
+    if w_t.dtype == torch.float64:
+        return w_t
+    if w_t.dtype == torch.float32 and w_t.device.type == "cpu" and w_t.dim() == 2:
+        return blocked_gemm.stored(w_t)
+    return w_t.contiguous()
 
 
 class _Weights:
