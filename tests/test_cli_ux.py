@@ -75,6 +75,12 @@ def test_a_sampling_flag_implies_sampling():
         (["generate", "--prompt", "x", "--temperature", "-1"], ["--temperature must be >= 0"]),
         (["generate", "--prompt", "x", "--model", "Qwen/Qwen3.5-0.8B"], ["not a local folder", "download"]),
         (["generate", "--prompt", "x", "--model", "/nonexistent/dir"], ["'/nonexistent/dir' does not exist"]),
+        (["bench", "models", "--batch", "0"], ["--batch: must be >= 1, got 0"]),
+        (["bench", "models", "--backends", "hf,torch"], ["--backends", "torch, mindspore", "'hf,torch'"]),
+        (["bench", "models", "--prompt-len", "10", "--min-prompt-len", "50"], ["--min-prompt-len (50)"]),
+        (["bench", "models", "--repeats", "x"], ["--repeats: must be an integer, got 'x'"]),
+        (["bench", "models", "--threads", "-1"], ["--threads: must be >= 0, got -1"]),
+        (["bench", "serve", "--concurrency", "1,0"], ["--concurrency", "'1,0'"]),
     ],
 )
 def test_bad_flags_are_one_line_errors(args, needles):

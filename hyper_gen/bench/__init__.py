@@ -22,69 +22,78 @@ from __future__ import annotations
 import argparse
 import os
 
+from .arguments import OneLineParser, backend_list, non_negative, positive
+
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hyper-gen bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="which")
     loop = sub.add_parser("loop", help="loop time outside the forward, torch vs MindSpore")
-    loop.add_argument("--backends", default="torch,mindspore")
-    loop.add_argument("--batch", type=int, default=4)
-    loop.add_argument("--vocab", type=int, default=32000)
-    loop.add_argument("--steps", type=int, default=64)
+    loop.add_argument("--backends", type=backend_list, default="torch,mindspore")
+    loop.add_argument("--batch", type=positive, default=4)
+    loop.add_argument("--vocab", type=positive, default=32000)
+    loop.add_argument("--steps", type=positive, default=64)
     hf = sub.add_parser("hf", help="HF generate vs hyper_gen.generate on one HF Qwen3.5 model")
-    hf.add_argument("--hidden", type=int, default=256)
-    hf.add_argument("--layers", type=int, default=4)
-    hf.add_argument("--vocab", type=int, default=32000)
-    hf.add_argument("--batch", type=int, default=4)
-    hf.add_argument("--prompt-len", type=int, default=32)
-    hf.add_argument("--new-tokens", type=int, default=32)
-    hf.add_argument("--repeats", type=int, default=3)
-    hf.add_argument("--threads", type=int, default=0)
+    hf.add_argument("--hidden", type=positive, default=256)
+    hf.add_argument("--layers", type=positive, default=4)
+    hf.add_argument("--vocab", type=positive, default=32000)
+    hf.add_argument("--batch", type=positive, default=4)
+    hf.add_argument("--prompt-len", type=positive, default=32)
+    hf.add_argument("--new-tokens", type=positive, default=32)
+    hf.add_argument("--repeats", type=positive, default=3)
+    hf.add_argument("--threads", type=non_negative, default=0)
     models = sub.add_parser("models", help="load_model (torch, MindSpore) vs HF generate, and the roofline")
     models.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
-    models.add_argument("--backends", default="torch,mindspore")
-    models.add_argument("--batch", type=int, default=1)
-    models.add_argument("--prompt-len", type=int, default=32)
     models.add_argument(
-        "--min-prompt-len", type=int, default=0, help="shortest prompt: mixed lengths, left-padded (0: all equal)"
+        "--backends", type=backend_list, default="torch,mindspore", help="native backends (HF generate always runs)"
     )
-    models.add_argument("--new-tokens", type=int, default=16)
-    models.add_argument("--repeats", type=int, default=2)
-    models.add_argument("--threads", type=int, default=0)
+    models.add_argument("--batch", type=positive, default=1)
+    models.add_argument("--prompt-len", type=positive, default=32)
+    models.add_argument(
+        "--min-prompt-len",
+        type=non_negative,
+        default=0,
+        help="shortest prompt: mixed lengths, left-padded (0: all equal)",
+    )
+    models.add_argument("--new-tokens", type=positive, default=16)
+    models.add_argument("--repeats", type=positive, default=2)
+    models.add_argument("--threads", type=non_negative, default=0)
     models.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
     tp = sub.add_parser("tp", help="TP=2 vs TP=1 under torchrun / msrun")
     tp.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
     tp.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
-    tp.add_argument("--batch", type=int, default=1)
-    tp.add_argument("--prompt-len", type=int, default=32)
-    tp.add_argument("--new-tokens", type=int, default=16)
-    tp.add_argument("--repeats", type=int, default=2)
+    tp.add_argument("--batch", type=positive, default=1)
+    tp.add_argument("--prompt-len", type=positive, default=32)
+    tp.add_argument("--new-tokens", type=positive, default=16)
+    tp.add_argument("--repeats", type=positive, default=2)
     tp.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
     cp = sub.add_parser("cp", help="CP=2 vs CP=1 on a long prompt under torchrun / msrun, with KV bytes per rank")
     cp.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
     cp.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
-    cp.add_argument("--batch", type=int, default=1)
-    cp.add_argument("--prompt-len", type=int, default=2048)
-    cp.add_argument("--new-tokens", type=int, default=16)
-    cp.add_argument("--repeats", type=int, default=2)
+    cp.add_argument("--batch", type=positive, default=1)
+    cp.add_argument("--prompt-len", type=positive, default=2048)
+    cp.add_argument("--new-tokens", type=positive, default=16)
+    cp.add_argument("--repeats", type=positive, default=2)
     cp.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
     rollout = sub.add_parser("rollout", help="2-rank FSDP2 rollout: hyper_gen step-synced vs workaround vs HF")
-    rollout.add_argument("--hidden", type=int, default=256)
-    rollout.add_argument("--layers", type=int, default=4)
-    rollout.add_argument("--vocab", type=int, default=8192)
-    rollout.add_argument("--prompts", type=int, default=4, help="prompts per rank")
-    rollout.add_argument("--samples", type=int, default=4, help="samples per prompt (num_return_sequences)")
-    rollout.add_argument("--prompt-len", type=int, default=32)
-    rollout.add_argument("--new-tokens", type=int, default=64)
-    rollout.add_argument("--repeats", type=int, default=1)
-    rollout.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    rollout.add_argument("--hidden", type=positive, default=256)
+    rollout.add_argument("--layers", type=positive, default=4)
+    rollout.add_argument("--vocab", type=positive, default=8192)
+    rollout.add_argument("--prompts", type=positive, default=4, help="prompts per rank")
+    rollout.add_argument("--samples", type=positive, default=4, help="samples per prompt (num_return_sequences)")
+    rollout.add_argument("--prompt-len", type=positive, default=32)
+    rollout.add_argument("--new-tokens", type=positive, default=64)
+    rollout.add_argument("--repeats", type=positive, default=1)
+    rollout.add_argument("--threads", type=positive, default=1, help="torch threads per rank")
     rollout.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     from .serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "min_prompt_len", 0) > getattr(args, "prompt_len", 0) and args.which == "models":
+        parser.error(f"--min-prompt-len ({args.min_prompt_len}) must not exceed --prompt-len ({args.prompt_len})")
     if args.which == "serve":
         from .serve import run_serve_bench
 

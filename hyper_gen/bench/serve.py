@@ -29,6 +29,7 @@ from hyper_gen.demo import demo_model_path
 from hyper_gen.demo.task import prompt_for
 from hyper_gen.generation import generate
 
+from .arguments import positive, positive_list
 from .host import describe_host
 
 READY = re.compile(r"hyper-gen serve: http://([^:/\s]+):(\d+)/v1 ")
@@ -191,7 +192,7 @@ def run_serve_bench(args) -> None:
     from hyper_gen.cli.common import load_tokenizer
     from hyper_gen.models.loading import load_model
 
-    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    levels = list(args.concurrency)
     prompts = _prompts(args.requests)
     print(host_line())
     print(
@@ -228,8 +229,8 @@ def add_parser(sub) -> None:
     serve = sub.add_parser("serve", help="the HTTP server at 1/8/32 clients vs sequential and batched generate")
     serve.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
     serve.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
-    serve.add_argument("--requests", type=int, default=64)
-    serve.add_argument("--max-tokens", type=int, default=32)
-    serve.add_argument("--concurrency", default="1,8,32")
-    serve.add_argument("--max-batch-size", type=int, default=32)
+    serve.add_argument("--requests", type=positive, default=64)
+    serve.add_argument("--max-tokens", type=positive, default=32)
+    serve.add_argument("--concurrency", type=positive_list, default="1,8,32")
+    serve.add_argument("--max-batch-size", type=positive, default=32)
     serve.add_argument("--skip-offline", action="store_true", help="leave out the offline JSONL comparison")

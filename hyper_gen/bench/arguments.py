@@ -1,0 +1,56 @@
+"""argparse types of the bench flags: a bad value is a one-line usage error (exit 2) before any work."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (a count, a size, a length)."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0 (0 meaning the default: threads, the shortest prompt)."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+BACKENDS = ("torch", "mindspore")
+
+
+def backend_list(text: str) -> str:
+    """An argparse type: a comma-separated list of native backends."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of {', '.join(BACKENDS)}, got {text!r}")
+    return ",".join(names)
+
+
+def positive_list(text: str) -> tuple:
+    """An argparse type: a comma-separated list of integers >= 1 (concurrency levels)."""
+    try:
+        return tuple(positive(part.strip()) for part in text.split(",") if part.strip()) or positive("")
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of integers >= 1, got {text!r}") from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (``prog: error: ...``, exit 2), as the
+    rest of the CLI's (its subcommands' parsers are of the same class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
