@@ -26,6 +26,9 @@ CHECKPOINTS = {"dense": ("dense", {}), "moe": ("moe", {})}
 WIDE = {"wide": ("dense", {"text_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4}})}
 DTYPES = ("float32", "float64")
 WIDTHS = (70, 200)
+# float32 CP vs one device: MKL rounds the split products differently (1e-4-1e-3 on Intel hosts,
+# up to 1.4e-3 on an AMD EPYC for the MoE at tp2 x cp2); float64 is the exactness check
+FLOAT32_TOLERANCE = 3e-3
 GENERATE_RUNS = [(name, width) for width in (70, 200, 1, 65, 129) for name in ("greedy", "seeded", "dynamic")] + [
     ("recompute", 70),
     ("repeated", 70),
@@ -100,11 +103,11 @@ def test_cp_model_attributes(job, label, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cp_logits_match_single_device(job, label, dtype, width):
     """Every position's prefill logits and every decode step's: float64 within 1e-9 (the chunked
-    delta rule runs one device's chunks from the relayed state, so it is exact), float32 within 1e-3."""
+    delta rule runs one device's chunks from the relayed state, so it is exact), float32 within FLOAT32_TOLERANCE."""
     for rank in _ranks(job):
         diff = float(re.match(r"width=\d+ maxdiff=(\S+)", _line(job, rank, "logits", f"{label}/{dtype}", width))[1])
         print(f"CP=2 vs one device {label}/{dtype} width {width} rank {rank}: max abs logit diff {diff:.3e}")
-        assert diff <= (1e-9 if dtype == "float64" else 1e-3)
+        assert diff <= (1e-9 if dtype == "float64" else FLOAT32_TOLERANCE)
 
 
 @pytest.mark.distributed
@@ -186,7 +189,7 @@ def test_ulysses_loads_or_refuses_an_indivisible_head_split(job, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ulysses_matches_single_device(job, dtype, width):
     """Prefill logits of every position and every decode step's (static and dynamic caches):
-    float64 within 1e-9, float32 within 1e-3; each rank caches only its slice; greedy, seeded and
+    float64 within 1e-9, float32 within FLOAT32_TOLERANCE; each rank caches only its slice; greedy, seeded and
     dynamic-cache generate() give the single-device tokens on every rank."""
     for label in _ulysses_labels(job):
         tokens = {name: set() for name in ("greedy", "seeded", "dynamic")}
@@ -194,7 +197,7 @@ def test_ulysses_matches_single_device(job, dtype, width):
             tag = f"{label}/{dtype}/ulysses"
             diff = float(re.match(r"width=\d+ maxdiff=(\S+)", _line(job, rank, "logits", tag, width))[1])
             print(f"Ulysses CP=2 vs one device {tag} width {width} rank {rank}: max abs logit diff {diff:.3e}")
-            assert diff <= (1e-9 if dtype == "float64" else 1e-3)
+            assert diff <= (1e-9 if dtype == "float64" else FLOAT32_TOLERANCE)
             assert _line(job, rank, "kvshard", tag, width) == f"width={width} ok=True"
             for name in tokens:
                 equal, rank_tokens = re.match(

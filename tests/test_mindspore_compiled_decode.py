@@ -66,11 +66,12 @@ def test_a_compiled_graph_reads_each_calls_layout():
         np.testing.assert_array_equal(graph(x).asnumpy(), data)
 
 
-def test_compiled_blocks_give_a_row_the_same_bits_in_any_batch(tmp_path):
-    """Each compiled one-token block, on the tiny test checkpoint (every product's inner size < 256):
-    row 0's outputs are bitwise the same alone and among 1 or 4 other rows. (At inner sizes >= 256
-    MindSpore's CPU MatMul takes another path for one row than for several, compiled or not: a
-    B=1 row differs from the same row in a batch by float32 rounding, docs/performance.md.)"""
+def test_compiled_blocks_give_a_row_the_same_result_in_any_batch(tmp_path):
+    """Each compiled one-token block, on the tiny test checkpoint: row 0's outputs alone and among
+    1 or 4 other rows agree to float32 rounding (no row sees another's data). On the Intel hosts
+    measured they are bitwise the same (every product's inner size < 256); on an AMD EPYC
+    MindSpore's CPU kernels round a row differently by batch size (up to ~7e-7 here), and at
+    inner sizes >= 256 a one-row MatMul takes another path on any host (docs/performance.md)."""
     from qwen_checkpoints import make_checkpoint
 
     from hyper_gen.backends.mindspore.models import qwen3_5
@@ -133,7 +134,7 @@ def test_compiled_blocks_give_a_row_the_same_bits_in_any_batch(tmp_path):
         alone, *batched = [[o.asnumpy()[0] for o in (r if isinstance(r, tuple) else (r,))] for r in results]
         for outputs in batched:
             for a, b in zip(alone, outputs):
-                np.testing.assert_array_equal(a, b, err_msg=name)
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("cache", ["static", "dynamic"])

@@ -15,7 +15,9 @@ Weights are (in, out) matrices and every projection is ``x @ w`` (the LM head to
 is the (H, V) matrix, looked up by gathering columns, so a tied checkpoint keeps one copy). In
 float32 / float16 / bfloat16 they are (in, out)-contiguous: a batch-1 decode step is a stream of
 matrix-vector products bound by memory bandwidth, and MKL streams that layout faster on CPU than
-the (out, in) one ``F.linear`` reads (measurements: ``docs/performance.md``).
+the (out, in) one ``F.linear`` reads (measurements: ``docs/performance.md``). Where a float32
+shape multiplies faster on this host in contiguous column blocks (timed at load,
+``blocked_gemm``), it keeps the checkpoint's (out, in) memory, which the blocks are views of.
 float64 keeps HF's (out, in) memory under the same (in, out) view, so it stays bit for bit HF's
 (``_matrix_layout``).
 
