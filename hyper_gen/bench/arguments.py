@@ -42,10 +42,10 @@ def backend_list(text: str) -> str:
 
 def positive_list(text: str) -> tuple:
     """An argparse type: a comma-separated list of integers >= 1 (concurrency levels)."""
-    try:
-        return tuple(positive(part.strip()) for part in text.split(",") if part.strip()) or positive("")
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be a comma-separated list of integers >= 1, got {text!r}") from None
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of integers >= 1, got {text!r}")
+    return tuple(int(part) for part in parts)
 
 
 class OneLineParser(argparse.ArgumentParser):

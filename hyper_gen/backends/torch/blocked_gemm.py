@@ -8,7 +8,7 @@ tuned on) the whole (in, out)-contiguous product is as fast. The checkpoint's (o
 makes every block of output columns a contiguous run of rows, so the blocked product needs no
 copy of the weight: ``W.view(nb, bw, in)`` under one ``bmm``. Which layout a weight is stored
 in is therefore decided at load time, per (in, out) shape, by timing both on this host
-(``block_width``): a width is kept only if it is faster at prefill rows by ``MARGIN`` and no
+(``block_width``): a width is kept only if it is faster at prefill rows by ``MARGIN`` and not
 much slower for one row (a batch-1 decode step). Numbers: docs/performance.md.
 
 Only float32 CPU weights are blocked: float64 stays bit for bit HF's ``F.linear``, and other
@@ -101,19 +101,17 @@ def block_width(inner: int, out: int, timer: Callable[[int, int, int, int], floa
         return _CHOSEN[key]
     if inner * out < MIN_ELEMENTS or out > MAX_OUT:
         return 0
-    if key not in _CHOSEN:
-        timer = timer or _seconds
-        widths = candidates(out)
-        chosen = 0
-        if widths:
-            whole_prefill = timer(PREFILL_ROWS, inner, out, 0)
-            best = min(widths, key=lambda w: timer(PREFILL_ROWS, inner, out, w))
-            if timer(PREFILL_ROWS, inner, out, best) <= MARGIN * whole_prefill and timer(
-                1, inner, out, best
-            ) <= DECODE_SLACK * timer(1, inner, out, 0):
-                chosen = best
-        _CHOSEN[key] = chosen
-    return _CHOSEN[key]
+    timer = timer or _seconds
+    chosen = 0
+    prefill = {width: timer(PREFILL_ROWS, inner, out, width) for width in candidates(out)}
+    if prefill:
+        best = min(prefill, key=prefill.get)
+        if prefill[best] <= MARGIN * timer(PREFILL_ROWS, inner, out, 0) and timer(
+            1, inner, out, best
+        ) <= DECODE_SLACK * timer(1, inner, out, 0):
+            chosen = best
+    _CHOSEN[key] = chosen
+    return chosen
 
 
 def stored(w_t: torch.Tensor) -> torch.Tensor:
