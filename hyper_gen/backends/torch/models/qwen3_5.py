@@ -65,7 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hyper_gen.backends.torch import blocked_gemm
+from hyper_gen.backends.torch import blocked_gemm, onednn_gemm
 from hyper_gen.backends.torch.devices import npu_available
 from hyper_gen.backends.torch.projection import project
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
@@ -939,11 +939,14 @@ def _matrix_layout(w_t: torch.Tensor) -> torch.Tensor:
     another order, and the float32 islands -- norms, the delta rule -- amplify that last-bit
     difference into a visible one). A float32 CPU weight whose shape multiplies faster in column
     blocks on this host keeps the (out, in) memory too, which the blocks are cut from
-    (``blocked_gemm``)."""
+    (``blocked_gemm``). Whether its products run through a oneDNN-packed copy instead is decided
+    here too (``onednn_gemm``), by timing the shape on this host."""
     if w_t.dtype == torch.float64:
         return w_t
     if w_t.dtype == torch.float32 and w_t.device.type == "cpu" and w_t.dim() == 2:
-        return blocked_gemm.stored(w_t)
+        stored = blocked_gemm.stored(w_t)
+        onednn_gemm.use_packed(*w_t.shape)
+        return stored
     return w_t.contiguous()
 
 

@@ -1,0 +1,208 @@
+"""Projections through oneDNN's packed weights on CPU, where this host multiplies them faster.
+
+torch's ``x @ w`` on CPU is MKL's sgemm. Where MKL takes a generic path (an AMD EPYC with
+AVX-512: MKL does not use AVX-512 kernels there) it runs small-row products, a batched decode
+step's, several times below what the cores can do, and the column blocks of ``blocked_gemm`` or
+MKL's packed GEMM recover only part of it. oneDNN's inner-product primitive on a weight reordered
+once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` and
+``_linear_pointwise``, what TorchInductor's CPU weight prepacking runs) uses the host's full ISA
+whatever the vendor. Whether it is faster depends on the host, so it is decided per (in, out)
+shape at load by timing it against the product that would run otherwise (whole or blocked), at
+prefill rows, at a batched decode step's rows and for one row streaming the weight from memory
+(``use_packed``). Numbers: docs/performance.md.
+
+The packed copy lives beside the weight (the checkpoint's tensor stays for the tied embedding,
+state dicts, float64 and other devices), keyed by the weight and its version counter: a weight
+changed in place (an optimizer step between rollouts) is packed again, never read stale. Copies
+stop where they would pass ``HYPER_GEN_TORCH_ONEDNN_GEMM_MB`` (default 4096; 0 turns this off).
+The products are oneDNN's sums, float32 rounding away from ``F.linear``'s, and a row's result
+does not depend on the other rows of the product. Only float32 CPU weights not being trained
+(no grad mode on a weight that requires grad) are packed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+import weakref
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from hyper_gen.backends.torch import blocked_gemm
+
+PREFILL_ROWS = 64  # rows of the timed prefill-sized product
+DECODE_ROWS = 16  # rows of the timed batched-decode product
+MARGIN = 0.9  # packed is kept only if it takes at most this share of the other's time at those rows
+DECODE_SLACK = 1.1  # ... and at most this many times its time for one row
+MIN_ELEMENTS = 1 << 18  # smaller weights: too small for the kernel to matter (no timing)
+MAX_OUT = 1 << 16  # wider weights (a large vocabulary's head) stay as they are (timing one costs GBs)
+REPEATS = 5
+SAMPLE_SECONDS = 2e-3  # each timed sample repeats the product for about this long
+STREAM_BYTES = 64 << 20  # one-row products cycle over this much weight memory (past the cache)
+
+_CHOSEN: Dict[Tuple[int, int], bool] = {}
+
+
+def _budget_bytes() -> int:
+    value = os.environ.get("HYPER_GEN_TORCH_ONEDNN_GEMM_MB", "4096")
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"HYPER_GEN_TORCH_ONEDNN_GEMM_MB must be a number of MB >= 0, got {value!r}")
+    return int(mb * (1 << 20))
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-packed copy of an (out, in) float32 CPU matrix."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.t()`` for the (out, in) ``weight`` that ``packed`` was made from; any leading shape."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _seconds(rows: int, inner: int, out: int, kind: str) -> float:
+    """Median per-product seconds of (rows, inner) by an (inner, out) weight: ``kind`` "packed"
+    (oneDNN), else the product ``blocked_gemm`` would run for the shape. A one-row product cycles
+    over copies of the weight past the last-level cache, as a decode step streams its weights
+    from memory; more rows reuse one copy, as a prefill does."""
+    copies = max(1, -(-STREAM_BYTES // (inner * out * 4))) if rows == 1 else 1
+    x = torch.full((rows, inner), 0.5)
+    if kind == "packed":
+        weights = [pack(torch.full((out, inner), 0.25)) for _ in range(copies)]
+
+        def product(k):
+            return packed_product(x, weights[k])
+    else:
+        width = blocked_gemm.block_width(inner, out)
+        if width:
+            weights = torch.full((copies, out, inner), 0.25)
+
+            def product(k):
+                return blocked_gemm.blocked(x, weights[k], width)
+        else:
+            weights = torch.full((copies, inner, out), 0.25)
+
+            def product(k):
+                return x @ weights[k]
+
+    start = time.perf_counter()
+    for k in range(copies):
+        product(k)
+    calls = max(1, int(SAMPLE_SECONDS * copies / max(time.perf_counter() - start, 1e-6)))
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for call in range(calls):
+            product(call % copies)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def use_packed(inner: int, out: int, timer: Callable[[int, int, int, str], float] = None) -> bool:
+    """Whether an (inner, out) float32 CPU weight is multiplied through its oneDNN-packed copy here:
+    timed once per shape in a process. ``timer(rows, inner, out, kind)`` returns seconds for
+    ``kind`` "packed" or "current" (default: torch on this process's threads)."""
+    key = (inner, out)
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    if _budget_bytes() == 0 or not available() or inner * out < MIN_ELEMENTS or out > MAX_OUT:
+        return False
+    timer = timer or _seconds
+    chosen = True
+    for rows, bound in ((PREFILL_ROWS, MARGIN), (DECODE_ROWS, MARGIN), (1, DECODE_SLACK)):
+        if timer(rows, inner, out, "packed") > bound * timer(rows, inner, out, "current"):
+            chosen = False
+            break
+    _CHOSEN[key] = chosen
+    return chosen
+
+
+class PackedWeights:
+    """oneDNN-packed copies of weights, within a byte budget. Held by id with a finaliser, so a
+    freed model's copies go with it, and stamped with the weight's version counter."""
+
+    def __init__(self, budget: int = None):
+        self.packed: Dict[int, tuple] = {}  # id(w) -> (w._version, packed)
+        self.refused: set = set()  # id(w) that did not fit the budget
+        self.bytes = 0
+        self.budget = _budget_bytes() if budget is None else budget
+        self.lock = threading.Lock()  # the engine's thread and the caller's may both project
+
+    def project(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
+        """``x @ w`` for an (in, out) ``w`` through its packed copy; None where it does not apply
+        (another dtype or device, a weight being trained, an unchosen shape, the budget spent)."""
+        if not _eligible(x, w) or not _CHOSEN.get(tuple(w.shape), False):
+            return None
+        key = id(w)
+        entry = self.packed.get(key)
+        if entry is None or entry[0] != w._version:
+            entry = self._pack(w)
+            if entry is None:
+                return None
+        return packed_product(x, entry[1])
+
+    def _pack(self, w: torch.Tensor):
+        key = id(w)
+        with self.lock:
+            if key in self.refused:
+                return None
+            first = key not in self.packed
+            self._drop(key)
+            size = w.numel() * w.element_size()
+            if self.bytes + size > self.budget:
+                self.refused.add(key)
+                return None
+            self.bytes += size
+            self.packed[key] = entry = (w._version, pack(w.t()))
+        if first:
+            weakref.finalize(w, self._forget, key)
+        return entry
+
+    def _drop(self, key: int) -> None:
+        entry = self.packed.pop(key, None)
+        if entry is not None:
+            self.bytes -= _matrix_bytes(entry[1])
+
+    def _forget(self, key: int) -> None:
+        with self.lock:
+            self._drop(key)
+            self.refused.discard(key)
+
+
+def _matrix_bytes(packed: torch.Tensor) -> int:
+    return int(torch.Size(packed.shape).numel()) * 4
+
+
+def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (
+        w.dtype == torch.float32
+        and x.dtype == torch.float32
+        and w.device.type == "cpu"
+        and w.dim() == 2
+        and not (w.requires_grad and torch.is_grad_enabled())
+    )
+
+
+_SHARED = None
+
+
+def project(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x @ w`` (``w`` (in, out)) through the process's packed copy where this shape was chosen,
+    else None."""
+    global _SHARED
+    if not _CHOSEN:
+        return None
+    if _SHARED is None:
+        _SHARED = PackedWeights()
+    return _SHARED.project(x, w)
