@@ -93,33 +93,46 @@ def join_with_checkpoint(args, bench: str):
     return ops, rank, world, threads, make_checkpoint(args.shape, args.cache_dir)
 
 
-def matvec_bandwidth(seconds: float = 1.0) -> float:
-    """Bytes/s of a float32 matrix-vector product over a 256 MB matrix (torch, this process's threads)."""
+def _kernels(rows: int, inner: int, out: int):
+    """The float32 CPU products torch can run for (rows, inner) @ (inner, out) on this host: MKL's
+    ``x @ w`` and, where the build has it, oneDNN's packed product (``onednn_gemm``)."""
     import torch
 
-    w = torch.randn(8192, 8192)
-    x = torch.randn(8192, 1)
-    w @ x
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        w @ x
-        count += 1
-    return count * w.numel() * 4 / (time.perf_counter() - start)
+    from hyper_gen.backends.torch import onednn_gemm
+
+    x = torch.randn(rows, inner)
+    w = torch.randn(inner, out)
+    kernels = [lambda: x @ w]
+    if onednn_gemm.available():
+        packed = onednn_gemm.pack(w.t())
+        kernels.append(lambda: onednn_gemm.packed_product(x, packed))
+    return kernels
+
+
+def _best_rate(kernels, units: float, seconds: float) -> float:
+    """``units`` per second of the fastest of ``kernels``, each run for about ``seconds``."""
+    best = 0.0
+    for kernel in kernels:
+        kernel()
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            kernel()
+            count += 1
+        best = max(best, count * units / (time.perf_counter() - start))
+    return best
+
+
+def matvec_bandwidth(seconds: float = 1.0) -> float:
+    """Bytes/s of a float32 matrix-vector product over a 256 MB matrix (torch, this process's
+    threads), the faster of MKL's and oneDNN's: the memory roofline's rate."""
+    return _best_rate(_kernels(1, 8192, 8192), 8192 * 8192 * 4, seconds)
 
 
 def gemm_flops(rows: int, size: int = 2048, seconds: float = 1.0) -> float:
-    """FLOP/s of a float32 (rows x size) @ (size x size) product (torch, this process's threads):
-    the rate a batched decode step's projections can reach at best on this host."""
-    import torch
-
-    x = torch.randn(rows, size)
-    w = torch.randn(size, size)
-    x @ w
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        x @ w
-        count += 1
-    return count * 2 * rows * size * size / (time.perf_counter() - start)
+    """FLOP/s of a float32 (rows x size) @ (size x size) product (torch, this process's threads),
+    the faster of MKL's and oneDNN's: the rate a batched decode step's projections can reach at
+    best on this host."""
+    return _best_rate(_kernels(rows, size, size), 2 * rows * size * size, seconds)
 
 
 def prompt_batch(batch: int, longest: int, shortest: int, vocab: int):
