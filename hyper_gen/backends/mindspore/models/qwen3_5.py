@@ -22,10 +22,10 @@ Layout choices are for MindSpore on CPU (the measurements behind them: docs/perf
 Decode speed on CPU is per-op overhead (a fixed cost per op, whatever its size) plus the weight
 reads, so the one-token paths are written for the fewest and cheapest kernels: cached primitives
 instead of Tensor operators (a primitive call costs less than an operator); ``Mul`` is the slowest
-elementwise kernel, even for a few elements and most of all when it broadcasts a per-head scalar
-over the (H, Dk, Dv) delta-rule state, while ``MulNoNan`` is cheaper and ``RealDiv`` broadcasts
-over the state quickly, so products are ``MulNoNan`` (identical but for ``inf * 0``) and the state
-decays as ``S / exp(-g)``; ``BatchMatMul`` with transpose flags instead of transposed copies;
+elementwise kernel, even for a few elements, while ``MulNoNan`` is cheaper, so products are
+``MulNoNan`` (identical but for ``inf * 0``); the state decays as HF's ``S * exp(g)`` with the
+per-head factor broadcast to the (B, H, Dk, Dv) state first (a broadcasting kernel over a batched
+state is several times slower); ``BatchMatMul`` with transpose flags instead of transposed copies;
 rotary as one matmul with a +-1 rotation matrix; ``mint.nn.functional.softplus`` (exact in
 float64, unlike ``ops.softplus``); sub-cells are called through ``construct`` (``Cell.__call__``
 adds a per-call overhead). A one-token forward goes further: its fixed-shape blocks (a whole
@@ -498,11 +498,13 @@ class TokenPacking:
         return ops.gather(ops.concat([x, _zeros((1, x.shape[1]), x.dtype)], 0), self.unpack_index, 0)
 
 
-def _recurrent_step(q, k, v, inv_decay, beta, state):
-    """One decode step of the gated delta rule: q, k (B, H, 1, Dk), v (B, H, 1, Dv),
-    ``inv_decay = exp(-g)`` and beta (B, H, 1, 1), state (B, H, Dk, Dv); all in the compute dtype.
-    HF's ``S * exp(g)`` is computed as ``S / exp(-g)`` (same value to an ulp; module docstring)."""
-    state = _div(state, inv_decay)
+def _recurrent_step(q, k, v, neg_g, beta, state):
+    """One decode step of the gated delta rule: q, k (B, H, 1, Dk), v (B, H, 1, Dv), ``neg_g``
+    (-g, the log decay's negation) and beta (B, H, 1, 1), state (B, H, Dk, Dv); all in the compute
+    dtype. The decay is HF's ``S * exp(g)``, with the factor broadcast to the state's shape first:
+    a broadcasting product or quotient over a batched state is several times slower
+    (docs/performance.md)."""
+    state = _mul(state, ops.broadcast_to(_exp(ops.neg(neg_g)), state.shape))
     delta = _mul(_sub(v, _bmm(k, state)), beta)
     state = _add(state, _bmm_ta(k, delta))  # + k^T delta
     return _bmm(q, state), state
@@ -901,7 +903,7 @@ class GatedDeltaNet(nn.Cell):
         if step:
             q, k = q.reshape(b, nv, 1, dk), k.reshape(b, nv, 1, dk)
             out, state = _recurrent_step(
-                q, k, v.reshape(b, nv, 1, dv), _exp(neg_g).reshape(b, nv, 1, 1), beta.reshape(b, nv, 1, 1), state
+                q, k, v.reshape(b, nv, 1, dv), neg_g.reshape(b, nv, 1, 1), beta.reshape(b, nv, 1, 1), state
             )
         else:
             # (B, heads, S, D) copies of the token-major q / k / v by Gather (``_gather_rows``): row
@@ -1132,7 +1134,7 @@ def _delta_step_rows(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_b
         q.reshape(b, nv, 1, dk),
         k.reshape(b, nv, 1, dk),
         v.reshape(b, nv, 1, dv),
-        _exp(neg_g).reshape(b, nv, 1, 1),
+        neg_g.reshape(b, nv, 1, 1),
         beta.reshape(b, nv, 1, 1),
         state,
     )
