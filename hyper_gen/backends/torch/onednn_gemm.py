@@ -137,7 +137,8 @@ class PackedWeights:
         self.refused: set = set()  # id(w) that did not fit the budget
         self.bytes = 0
         self.budget = _budget_bytes() if budget is None else budget
-        self.lock = threading.Lock()  # the engine's thread and the caller's may both project
+        # the engine's thread and the caller's may both project; a finaliser may run inside a pack
+        self.lock = threading.RLock()
 
     def project(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
         """``x @ w`` for an (in, out) ``w`` through its packed copy; None where it does not apply
@@ -157,16 +158,15 @@ class PackedWeights:
         with self.lock:
             if key in self.refused:
                 return None
-            first = key not in self.packed
+            if key not in self.packed:  # first seen: its copy (or refusal) goes when it does
+                weakref.finalize(w, self._forget, key)
             self._drop(key)
-            size = w.numel() * w.element_size()
+            size = _matrix_bytes(w)
             if self.bytes + size > self.budget:
                 self.refused.add(key)
                 return None
             self.bytes += size
             self.packed[key] = entry = (w._version, pack(w.t()))
-        if first:
-            weakref.finalize(w, self._forget, key)
         return entry
 
     def _drop(self, key: int) -> None:
@@ -180,8 +180,9 @@ class PackedWeights:
             self.refused.discard(key)
 
 
-def _matrix_bytes(packed: torch.Tensor) -> int:
-    return int(torch.Size(packed.shape).numel()) * 4
+def _matrix_bytes(matrix: torch.Tensor) -> int:
+    """Bytes of a float32 matrix, a packed copy or its weight (a packed tensor has no storage size)."""
+    return int(torch.Size(matrix.shape).numel()) * 4
 
 
 def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
