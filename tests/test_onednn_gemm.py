@@ -175,3 +175,29 @@ def test_a_model_with_packed_projections_generates_what_hf_does(tmp_path, monkey
     assert [ours.sequences[i, : len(hf_rows[i])].tolist() for i in range(3)] == hf_rows
     for a, b in zip(ours.logits, theirs.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_an_inference_tensor_is_left_to_the_other_products():
+    """A weight made under torch.inference_mode has no version counter (an in-place change could
+    not be seen), so it is never packed; generate still runs (the caller's other products)."""
+    onednn_gemm._CHOSEN[(80, 96)] = True
+    with torch.inference_mode():
+        w = torch.randn(80, 96)
+    x = torch.randn(3, 80)
+    assert onednn_gemm.project(x, w) is None
+    with torch.inference_mode():
+        assert onednn_gemm.project(x, w) is None
+
+
+def test_a_model_loaded_under_inference_mode_generates(tmp_path, monkeypatch):
+    monkeypatch.setattr(onednn_gemm, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(onednn_gemm, "_seconds", lambda rows, inner, out, kind: 0.5 if kind == "packed" else 1.0)
+    path = make_checkpoint(tmp_path, "dense")
+    reference = load_model(path, backend="torch", dtype="float32")
+    with torch.inference_mode():
+        model = load_model(path, backend="torch", dtype="float32")
+    ids = torch.from_numpy(np.random.default_rng(2).integers(3, TINY_TEXT_CONFIG["vocab_size"], (2, 7)))
+    config = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = generate(model, ids, config)
+    assert out.tolist() == generate(reference, ids, config).tolist()

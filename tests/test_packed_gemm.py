@@ -105,3 +105,31 @@ def test_batched_generation_is_unchanged_by_packing(tmp_path, monkeypatch):
     assert torch.equal(ours.sequences, plain.sequences)
     for a, b in zip(ours.logits, plain.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    """An optimizer step between two rollouts updates the weight in place: the next decode step
+    must multiply the new values, not the copy packed before."""
+    weights = packed_gemm.PackedWeights(budget=1 << 30)
+    w = torch.nn.Parameter(torch.randn(96, 200))
+    x = torch.randn(16, 1, 96)
+    with torch.no_grad():
+        before = weights.project(x, w)
+        w.mul_(-2.0)
+        after = weights.project(x, w)
+    torch.testing.assert_close(after, -2.0 * before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, x @ w.detach(), rtol=1e-5, atol=1e-5)
+    assert len(weights.packed) == 1 and weights.bytes == weights.packed[id(w)][1].numel() * 4
+
+
+def test_an_inference_tensor_is_a_plain_product():
+    """A weight made under torch.inference_mode has no version counter (an in-place change could
+    not be seen), so it is never packed."""
+    weights = packed_gemm.PackedWeights(budget=1 << 30)
+    with torch.inference_mode():
+        w = torch.randn(96, 200)
+    x = torch.randn(16, 1, 96)
+    assert torch.equal(weights.project(x, w), x @ w)
+    with torch.inference_mode():
+        assert torch.equal(weights.project(x, w), x @ w)
+    assert not weights.packed

@@ -17,7 +17,8 @@ changed in place (an optimizer step between rollouts) is packed again, never rea
 stop where they would pass ``HYPER_GEN_TORCH_ONEDNN_GEMM_MB`` (default 4096; 0 turns this off).
 The products are oneDNN's sums, float32 rounding away from ``F.linear``'s, and a row's result
 does not depend on the other rows of the product. Only float32 CPU weights not being trained
-(no grad mode on a weight that requires grad) are packed.
+(no grad mode on a weight that requires grad) and not made under ``torch.inference_mode`` (no
+version counter) are packed.
 """
 
 from __future__ import annotations
@@ -186,12 +187,15 @@ def _matrix_bytes(matrix: torch.Tensor) -> int:
 
 
 def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """A float32 CPU matrix not being trained, and not an inference tensor: one made under
+    ``torch.inference_mode`` has no version counter, so an in-place change could not be seen."""
     return (
         w.dtype == torch.float32
         and x.dtype == torch.float32
         and w.device.type == "cpu"
         and w.dim() == 2
         and not (w.requires_grad and torch.is_grad_enabled())
+        and not w.is_inference()
     )
 
 

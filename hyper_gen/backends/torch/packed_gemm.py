@@ -7,7 +7,8 @@ TorchInductor's CPU weight prepacking uses) removes that, and the product is wha
 gives on the checkpoint's (out, in) weight, i.e. HF's arithmetic: bitwise on the Intel hosts
 measured, to float32 rounding where MKL takes its generic path (an AMD EPYC)
 (docs/performance.md). A packed copy is kept per weight for one row count: the batch being
-decoded, once it has held for ``STEADY_CALLS`` calls (a new row count repacks). A copy takes
+decoded, once it has held for ``STEADY_CALLS`` calls (a new row count repacks, and so does a
+weight changed in place, seen by its version counter). A copy takes
 about 2.3 times the weight's memory, so packing stops where the copies would pass
 ``HYPER_GEN_TORCH_PACKED_GEMM_MB`` (default 2048 MB; 0 turns it off). Other row counts, float64
 (bitwise HF's own layout), devices other than the CPU and builds without MKL use ``x @ w``.
@@ -45,7 +46,7 @@ class PackedWeights:
     finaliser, so a freed model's copies go with it."""
 
     def __init__(self, budget: int = None):
-        self.packed: Dict[int, tuple] = {}  # id(w) -> (rows, packed)
+        self.packed: Dict[int, tuple] = {}  # id(w) -> (rows, packed, w._version)
         self.streak: Dict[int, tuple] = {}  # id(w) -> (rows, consecutive calls with them)
         self.refused: set = set()  # (id(w), rows) that did not fit the budget
         self.bytes = 0
@@ -61,6 +62,8 @@ class PackedWeights:
         if not _eligible(x, w):
             return x @ w
         entry = self.packed.get(id(w))
+        if entry is not None and entry[2] != w._version:  # changed in place (an optimizer step): stale
+            entry = None  # (repacked below; _pack replaces the stale copy)
         if entry is None or entry[0] != rows:
             # a batch size that keeps changing (an in-flight engine) would repack every step
             last, calls = self.streak.get(id(w), (rows, 0))
@@ -84,7 +87,7 @@ class PackedWeights:
             self.refused.add((id(w), rows))
             return None
         self.bytes += size
-        self.packed[id(w)] = entry = (rows, packed)
+        self.packed[id(w)] = entry = (rows, packed, w._version)
         if first:
             weakref.finalize(w, self._forget, id(w))
         return entry
@@ -101,12 +104,15 @@ class PackedWeights:
 
 
 def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """A float32 CPU matrix not being trained, and not an inference tensor (no version counter:
+    an in-place change could not be seen)."""
     return (
         w.dtype == torch.float32
         and x.dtype == torch.float32
         and w.device.type == "cpu"
         and w.dim() == 2
         and not (w.requires_grad and torch.is_grad_enabled())
+        and not w.is_inference()
     )
 
 
