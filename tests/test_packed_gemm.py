@@ -82,7 +82,7 @@ def test_a_row_count_is_packed_once_it_holds(monkeypatch):
 
 def test_the_budget_variable_is_checked(monkeypatch):
     monkeypatch.setenv("HYPER_GEN_TORCH_PACKED_GEMM_MB", "lots")
-    with pytest.raises(ValueError, match="HYPER_GEN_TORCH_PACKED_GEMM_MB must be a number of MB, got 'lots'"):
+    with pytest.raises(ValueError, match="HYPER_GEN_TORCH_PACKED_GEMM_MB must be a number of MB >= 0, got 'lots'"):
         packed_gemm.PackedWeights()
 
 

@@ -13,11 +13,12 @@ rows of the down projection). Devices other than the CPU keep the checkpoint's w
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Dict, Tuple
 
 import numpy as np
+
+from hyper_gen import switches
 
 ROWS = 128  # rows of the timed product: a prefill's, where the slow widths cost the most
 MARGIN = 0.8  # the padded width is kept only if it takes at most this share of the time
@@ -27,7 +28,7 @@ _CHOSEN: Dict[Tuple[int, int, str], int] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get("HYPER_GEN_MINDSPORE_PAD_WIDTHS", "1") != "0"
+    return switches.flag("HYPER_GEN_MINDSPORE_PAD_WIDTHS")
 
 
 def candidate(width: int) -> int:

@@ -17,12 +17,13 @@ devices have their own GEMM libraries. ``HYPER_GEN_TORCH_BLOCKED_GEMM=0`` turns 
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+
+from hyper_gen import switches
 
 WIDTHS = (256, 512, 1024)  # block widths tried (a width must divide the output size)
 PREFILL_ROWS = 64  # rows of the timed prefill-sized product
@@ -38,10 +39,7 @@ _CHOSEN: Dict[Tuple[int, int], int] = {}
 
 
 def enabled() -> bool:
-    value = os.environ.get("HYPER_GEN_TORCH_BLOCKED_GEMM", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"HYPER_GEN_TORCH_BLOCKED_GEMM must be 0 or 1, got {value!r}")
-    return value == "1"
+    return switches.flag("HYPER_GEN_TORCH_BLOCKED_GEMM")
 
 
 def candidates(out: int) -> Tuple[int, ...]:

@@ -23,7 +23,6 @@ version counter) are packed.
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from hyper_gen import switches
 from hyper_gen.backends.torch import blocked_gemm
 
 PREFILL_ROWS = 64  # rows of the timed prefill-sized product
@@ -48,14 +48,7 @@ _CHOSEN: Dict[Tuple[int, int], bool] = {}
 
 
 def _budget_bytes() -> int:
-    value = os.environ.get("HYPER_GEN_TORCH_ONEDNN_GEMM_MB", "4096")
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"HYPER_GEN_TORCH_ONEDNN_GEMM_MB must be a number of MB >= 0, got {value!r}")
-    return int(mb * (1 << 20))
+    return switches.megabytes("HYPER_GEN_TORCH_ONEDNN_GEMM_MB", 4096)
 
 
 def available() -> bool:

@@ -16,11 +16,12 @@ about 2.3 times the weight's memory, so packing stops where the copies would pas
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Dict
 
 import torch
+
+from hyper_gen import switches
 
 MIN_ROWS = 8  # below this the plain product streams as fast (matrix-vector paths)
 MAX_ROWS = 64  # a larger batch streams its weights well enough unpacked
@@ -28,13 +29,7 @@ STEADY_CALLS = 4  # a weight is packed for a row count once this many calls in a
 
 
 def _budget_bytes() -> int:
-    try:
-        return int(float(os.environ.get("HYPER_GEN_TORCH_PACKED_GEMM_MB", "2048")) * (1 << 20))
-    except ValueError as error:
-        raise ValueError(
-            f"HYPER_GEN_TORCH_PACKED_GEMM_MB must be a number of MB, got "
-            f"{os.environ.get('HYPER_GEN_TORCH_PACKED_GEMM_MB')!r}"
-        ) from error
+    return switches.megabytes("HYPER_GEN_TORCH_PACKED_GEMM_MB", 2048)
 
 
 def available() -> bool:

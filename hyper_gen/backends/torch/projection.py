@@ -15,3 +15,11 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if out is None:
         out = blocked_gemm.project(x, w)
     return out if out is not None else packed_gemm.project(x, w)
+
+
+def check_switches() -> None:
+    """Each projection path's environment switch read once, at load: a bad value is a ValueError
+    naming it before any work (``hyper_gen.switches``)."""
+    blocked_gemm.enabled()
+    onednn_gemm._budget_bytes()
+    packed_gemm._budget_bytes()

@@ -87,6 +87,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
+from hyper_gen import switches
 from hyper_gen.backends.mindspore import matmul_widths
 from hyper_gen.backends.mindspore.ops import MindSporeOps, new_group
 from hyper_gen.cache import DynamicCache
@@ -1036,8 +1037,18 @@ class SparseMoE(nn.Cell):
 # the tensor-parallel sums (collectives) and every prefill.
 
 # True (default): one-token forwards run the compiled blocks; False ($HYPER_GEN_MINDSPORE_JIT=0): all
-# PyNative. A new batch size compiles once (~1-3 s on CPU) before its first step.
+# PyNative. A new batch size compiles once (~1-3 s on CPU) before its first step. (Read at import;
+# a value other than 0 / 1 is load()'s ValueError, _check_switches.)
 COMPILED_DECODE = os.environ.get("HYPER_GEN_MINDSPORE_JIT", "1") != "0"
+
+
+def _check_switches() -> None:
+    """This port's environment switches read once, at load: a bad value is a ValueError naming
+    it before any work (``hyper_gen.switches``)."""
+    switches.flag("HYPER_GEN_MINDSPORE_JIT")
+    matmul_widths.enabled()
+
+
 _COMPILED: Dict[tuple, object] = {}
 
 
@@ -1660,6 +1671,7 @@ def load(
     ``tp x cp`` mesh (``hyper_gen.parallel.cp_plan.Mesh``, tp innermost: exactly ``tp * cp`` ranks,
     this one at ``(plan.rank, cp_plan.rank)``); with tp > 1 every rank must call this, as it makes
     the rank's tp and cp subgroups (module docstring), unless ``group`` (the tp group) is given."""
+    _check_switches()
     plan = TPPlan.resolve(plan)
     cp_plan = CPPlan.resolve(cp_plan)
     if cp_plan.cp > 1:

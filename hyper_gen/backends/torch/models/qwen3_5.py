@@ -67,7 +67,7 @@ from torch import nn
 
 from hyper_gen.backends.torch import blocked_gemm, onednn_gemm
 from hyper_gen.backends.torch.devices import npu_available
-from hyper_gen.backends.torch.projection import project
+from hyper_gen.backends.torch.projection import check_switches, project
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import (
@@ -1049,6 +1049,7 @@ def load(
     made here (every rank must call this), unless ``group`` is given."""
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
+    check_switches()
     if str(device).startswith("npu") and not npu_available():
         raise ValueError(f"device {device!r} needs torch_npu and CANN, which are not available here")
     try:
