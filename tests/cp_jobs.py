@@ -9,9 +9,10 @@ from qwen_checkpoints import make_checkpoint
 CHECKPOINTS = {"dense": ("dense", {}), "moe": ("moe", {"fused_experts": True})}
 
 
-def run_job(tmp_path_factory, name: str, nproc: int, line: re.Pattern):
+def run_job(tmp_path_factory, name: str, nproc: int, line: re.Pattern, env: dict = None):
     """Run ``name`` on ``nproc`` workers over the tiny dense and MoE checkpoints: ({(rank, check,
-    label, width or None): rest of the line}, the worker logs), after checking every rank finished."""
+    label, width or None): rest of the line}, the worker logs), after checking every rank finished.
+    ``env``: variables set for the job."""
     root = tmp_path_factory.mktemp(name.removesuffix(".py"))
     paths = {label: make_checkpoint(root, kind, **kwargs) for label, (kind, kwargs) in CHECKPOINTS.items()}
     result = msrun(
@@ -19,6 +20,7 @@ def run_job(tmp_path_factory, name: str, nproc: int, line: re.Pattern):
         log_dir=str(root / "logs"),
         nproc=nproc,
         timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.worker_logs[-6000:]
     for rank in range(nproc):

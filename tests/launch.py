@@ -37,8 +37,9 @@ def torchrun(args, nproc=2, timeout=300, stdin=None, cwd=None):
     )
 
 
-def msrun(args, log_dir, nproc=2, timeout=300, stdin=None, cwd=None):
-    """CompletedProcess of ``msrun ... args``; each worker's log is appended to .stdout."""
+def msrun(args, log_dir, nproc=2, timeout=300, stdin=None, cwd=None, env=None):
+    """CompletedProcess of ``msrun ... args``; each worker's log is appended to .stdout. ``env``:
+    variables set for this job on top of the test environment."""
     cmd = [
         "msrun",
         f"--worker_num={nproc}",
@@ -48,7 +49,13 @@ def msrun(args, log_dir, nproc=2, timeout=300, stdin=None, cwd=None):
         f"--log_dir={log_dir}",
     ] + list(args)
     result = subprocess.run(
-        cmd, input=stdin, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd or REPO
+        cmd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(_env(), **(env or {})),
+        cwd=cwd or REPO,
     )
     logs = ""
     for path in sorted(glob.glob(os.path.join(log_dir, "worker_*.log"))):
