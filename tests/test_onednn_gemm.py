@@ -201,3 +201,14 @@ def test_a_model_loaded_under_inference_mode_generates(tmp_path, monkeypatch):
     with torch.inference_mode():
         out = generate(model, ids, config)
     assert out.tolist() == generate(reference, ids, config).tolist()
+
+
+def test_the_choices_are_described_for_the_benchmarks(monkeypatch):
+    from hyper_gen.backends.torch import blocked_gemm
+    from hyper_gen.backends.torch.projection import describe_choices
+
+    monkeypatch.setattr(blocked_gemm, "_CHOSEN", {})
+    assert describe_choices().startswith("none timed")
+    onednn_gemm._CHOSEN.update({(512, 3072): True, (1536, 512): False, (512, 1536): False})
+    blocked_gemm._CHOSEN.update({(512, 3072): 0, (1536, 512): 256, (512, 1536): 0})
+    assert describe_choices() == "512x1536 MKL, 512x3072 oneDNN, 1536x512 blocked 256"

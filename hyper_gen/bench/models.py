@@ -242,3 +242,7 @@ def run_models(args):
             f"{rate / roofline:9.0%}{decode / floor:9.0%}"
         )
     print("vs HF: end-to-end; roofline: decode steps/s over the roofline; compute: decode tok/s over the floor")
+    if "torch" in args.backends:
+        from hyper_gen.backends.torch.projection import describe_choices
+
+        print(f"torch projections chosen at load on this host: {describe_choices()}")

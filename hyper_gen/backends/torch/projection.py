@@ -23,3 +23,20 @@ def check_switches() -> None:
     blocked_gemm.enabled()
     onednn_gemm._budget_bytes()
     packed_gemm._budget_bytes()
+
+
+def describe_choices() -> str:
+    """The product each float32 CPU weight shape timed in this process runs through, for the
+    benchmarks' output: ``(in, out) oneDNN`` (a packed copy), ``blocked W`` (``W``-column blocks)
+    or ``MKL`` (the whole product; MKL's packed GEMM for 8-64-row decode steps)."""
+    shapes = sorted(set(onednn_gemm._CHOSEN) | set(blocked_gemm._CHOSEN))
+    parts = []
+    for shape in shapes:
+        if onednn_gemm._CHOSEN.get(shape):
+            kind = "oneDNN"
+        elif blocked_gemm._CHOSEN.get(shape):
+            kind = f"blocked {blocked_gemm._CHOSEN[shape]}"
+        else:
+            kind = "MKL"
+        parts.append(f"{shape[0]}x{shape[1]} {kind}")
+    return ", ".join(parts) or "none timed (every weight below the size the choice is made for)"
