@@ -7,6 +7,8 @@ import time
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
 
+from .host import describe_host
+
 
 # ---- HF generate vs hyper_gen on the same HF model -----------------------------------------
 def _hf_qwen35(hidden: int, layers: int, vocab: int):
@@ -64,6 +66,7 @@ def run_hf(args):
         prefill = _time(make(1), args.repeats)
         total = _time(make(new), args.repeats)
         rows.append((name, prefill, (new - 1) * args.batch / (total - prefill)))
+    print(describe_host(torch.get_num_threads()))
     print(
         f"HF Qwen3.5 hidden={args.hidden} layers={args.layers} vocab={args.vocab} B={args.batch} "
         f"prompt={args.prompt_len} new={new} threads={torch.get_num_threads()}"

@@ -10,6 +10,8 @@ import numpy as np
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
 
+from .host import describe_host
+
 
 # ---- the loop's own cost ------------------------------------------------------------------
 class _CountingOps:
@@ -114,6 +116,7 @@ def loop_overhead(framework: str, setting: str, batch: int = 4, vocab: int = 320
 
 def run_loop(args):
     frameworks = [f.strip() for f in args.backends.split(",")]
+    print(describe_host())
     print(f"decode-loop time outside the model forward, B={args.batch}, V={args.vocab}, {args.steps} steps")
     print(f"{'setting':34s}" + "".join(f"{f:>14s}" for f in frameworks))
     ops_report = {}

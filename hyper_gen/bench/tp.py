@@ -18,6 +18,8 @@ import numpy as np
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
 
+from .host import describe_host
+
 
 def run_tp(args):
     from hyper_gen.models.checkpoint import Checkpoint
@@ -45,6 +47,7 @@ def run_tp(args):
     config = Qwen3_5Config.from_dict(Checkpoint(path).config)
     moved = collective_bytes_per_decode_step(config, args.batch, world, 4)
     if rank == 0:
+        print(describe_host())
         print(
             f"{args.backend}: Qwen3.5 '{args.shape}' float32, B={args.batch}, prompt {args.prompt_len}, "
             f"{args.new_tokens} new tokens, {world} ranks running at once, {threads}"
