@@ -2,15 +2,12 @@
 (hyper_gen.backends.torch.blocked_gemm): the products ``x @ w`` gives, the block width kept only
 where the timing says it is faster, and a model loaded with blocks generating what HF does."""
 
-import numpy as np
 import pytest
 import torch
-from qwen_checkpoints import TINY_TEXT_CONFIG, make_checkpoint
-from transformers import Qwen3_5ForCausalLM
+from hf_greedy import assert_generates_what_hf_does
+from qwen_checkpoints import make_checkpoint
 
 from hyper_gen.backends.torch import blocked_gemm
-from hyper_gen.config import GenerationConfig
-from hyper_gen.generation import generate
 from hyper_gen.models.loading import load_model
 
 
@@ -112,32 +109,5 @@ def test_a_model_with_blocked_projections_generates_what_hf_does(tmp_path, monke
 
     monkeypatch.setattr(blocked_gemm, "blocked", counted)
     path = make_checkpoint(tmp_path, "dense")
-    model = load_model(path, backend="torch", dtype="float32")
-    hf = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rng = np.random.default_rng(5)
-    ids = torch.from_numpy(rng.integers(3, TINY_TEXT_CONFIG["vocab_size"], (3, 9)))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :2] = 0
-    ids = ids * mask
-    config = GenerationConfig(
-        max_new_tokens=6, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True
-    )
-    ours = generate(model, ids, config, attention_mask=mask)
+    assert_generates_what_hf_does(load_model(path, backend="torch", dtype="float32"), path)
     assert len(set(ran)) >= 4  # q|k|v, o, q|k|v|z, gate|up and down widths all divide by 16
-    with torch.no_grad():
-        theirs = hf.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=6,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    pads = (mask == 0).sum(1)
-    hf_rows = [theirs.sequences[i, int(pads[i]) :].tolist() for i in range(3)]  # HF's rows without padding
-    assert [ours.sequences[i, : len(hf_rows[i])].tolist() for i in range(3)] == hf_rows
-    for a, b in zip(ours.logits, theirs.logits):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

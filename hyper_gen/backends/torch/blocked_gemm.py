@@ -17,13 +17,12 @@ devices have their own GEMM libraries. ``HYPER_GEN_TORCH_BLOCKED_GEMM=0`` turns 
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from hyper_gen import switches
+from hyper_gen.backends.torch import product_timing
 
 WIDTHS = (256, 512, 1024)  # block widths tried (a width must divide the output size)
 PREFILL_ROWS = 64  # rows of the timed prefill-sized product
@@ -31,9 +30,6 @@ MARGIN = 0.85  # a blocked width is kept only if it takes at most this share of 
 DECODE_SLACK = 1.1  # ... and at most this many times the whole's time for one row
 MIN_ELEMENTS = 1 << 18  # smaller weights: too small for the layout to matter (no timing)
 MAX_OUT = 1 << 16  # wider weights (a large vocabulary's head) stay whole (timing one costs GBs)
-REPEATS = 5
-SAMPLE_SECONDS = 2e-3  # each timed sample repeats the product for about this long
-STREAM_BYTES = 64 << 20  # one-row products cycle over this much weight memory (past the cache)
 
 _CHOSEN: Dict[Tuple[int, int], int] = {}
 
@@ -59,33 +55,15 @@ def blocked(x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
 
 def _seconds(rows: int, inner: int, out: int, width: int) -> float:
     """Median per-product seconds of (rows, inner) by an (inner, out) weight: whole and
-    (in, out)-contiguous for ``width`` 0, else blocked (``blocked``) over the (out, in) layout.
-    A one-row product cycles over copies of the weight past the last-level cache, as a decode
-    step streams its weights from memory; more rows reuse one copy, as a prefill does."""
-    copies = max(1, -(-STREAM_BYTES // (inner * out * 4))) if rows == 1 else 1
+    (in, out)-contiguous for ``width`` 0, else blocked (``blocked``) over the (out, in) layout
+    (``product_timing``: one row streams copies, more rows reuse one)."""
+    copies = product_timing.copies_for(rows, inner, out)
     x = torch.full((rows, inner), 0.5)
     if width:
         weights = torch.full((copies, out, inner), 0.25)
-
-        def product(k):
-            return blocked(x, weights[k], width)
-    else:
-        weights = torch.full((copies, inner, out), 0.25)
-
-        def product(k):
-            return x @ weights[k]
-
-    start = time.perf_counter()
-    for k in range(copies):
-        product(k)
-    calls = max(1, int(SAMPLE_SECONDS * copies / max(time.perf_counter() - start, 1e-6)))
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for call in range(calls):
-            product(call % copies)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+        return product_timing.median_seconds(lambda k: blocked(x, weights[k], width), copies)
+    weights = torch.full((copies, inner, out), 0.25)
+    return product_timing.median_seconds(lambda k: x @ weights[k], copies)
 
 
 def block_width(inner: int, out: int, timer: Callable[[int, int, int, int], float] = None) -> int:

@@ -23,16 +23,14 @@ version counter) are packed.
 
 from __future__ import annotations
 
-import statistics
 import threading
-import time
 import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from hyper_gen import switches
-from hyper_gen.backends.torch import blocked_gemm
+from hyper_gen.backends.torch import blocked_gemm, product_timing
 
 PREFILL_ROWS = 64  # rows of the timed prefill-sized product
 DECODE_ROWS = 16  # rows of the timed batched-decode product
@@ -40,9 +38,6 @@ MARGIN = 0.9  # packed is kept only if it takes at most this share of the other'
 DECODE_SLACK = 1.1  # ... and at most this many times its time for one row
 MIN_ELEMENTS = 1 << 18  # smaller weights: too small for the kernel to matter (no timing)
 MAX_OUT = 1 << 16  # wider weights (a large vocabulary's head) stay as they are (timing one costs GBs)
-REPEATS = 5
-SAMPLE_SECONDS = 2e-3  # each timed sample repeats the product for about this long
-STREAM_BYTES = 64 << 20  # one-row products cycle over this much weight memory (past the cache)
 
 _CHOSEN: Dict[Tuple[int, int], bool] = {}
 
@@ -67,40 +62,14 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def _seconds(rows: int, inner: int, out: int, kind: str) -> float:
     """Median per-product seconds of (rows, inner) by an (inner, out) weight: ``kind`` "packed"
-    (oneDNN), else the product ``blocked_gemm`` would run for the shape. A one-row product cycles
-    over copies of the weight past the last-level cache, as a decode step streams its weights
-    from memory; more rows reuse one copy, as a prefill does."""
-    copies = max(1, -(-STREAM_BYTES // (inner * out * 4))) if rows == 1 else 1
+    (oneDNN), else the product ``blocked_gemm`` chose for the shape (``product_timing``: one row
+    streams copies, more rows reuse one)."""
+    copies = product_timing.copies_for(rows, inner, out)
+    if kind != "packed":
+        return blocked_gemm._seconds(rows, inner, out, blocked_gemm.block_width(inner, out))
     x = torch.full((rows, inner), 0.5)
-    if kind == "packed":
-        weights = [pack(torch.full((out, inner), 0.25)) for _ in range(copies)]
-
-        def product(k):
-            return packed_product(x, weights[k])
-    else:
-        width = blocked_gemm.block_width(inner, out)
-        if width:
-            weights = torch.full((copies, out, inner), 0.25)
-
-            def product(k):
-                return blocked_gemm.blocked(x, weights[k], width)
-        else:
-            weights = torch.full((copies, inner, out), 0.25)
-
-            def product(k):
-                return x @ weights[k]
-
-    start = time.perf_counter()
-    for k in range(copies):
-        product(k)
-    calls = max(1, int(SAMPLE_SECONDS * copies / max(time.perf_counter() - start, 1e-6)))
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for call in range(calls):
-            product(call % copies)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    weights = [pack(torch.full((out, inner), 0.25)) for _ in range(copies)]
+    return product_timing.median_seconds(lambda k: packed_product(x, weights[k]), copies)
 
 
 def use_packed(inner: int, out: int, timer: Callable[[int, int, int, str], float] = None) -> bool:
@@ -137,7 +106,7 @@ class PackedWeights:
     def project(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
         """``x @ w`` for an (in, out) ``w`` through its packed copy; None where it does not apply
         (another dtype or device, a weight being trained, an unchosen shape, the budget spent)."""
-        if not _eligible(x, w) or not _CHOSEN.get(tuple(w.shape), False):
+        if not product_timing.packable(x, w) or not _CHOSEN.get(tuple(w.shape), False):
             return None
         key = id(w)
         entry = self.packed.get(key)
@@ -177,19 +146,6 @@ class PackedWeights:
 def _matrix_bytes(matrix: torch.Tensor) -> int:
     """Bytes of a float32 matrix, a packed copy or its weight (a packed tensor has no storage size)."""
     return int(torch.Size(matrix.shape).numel()) * 4
-
-
-def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """A float32 CPU matrix not being trained, and not an inference tensor: one made under
-    ``torch.inference_mode`` has no version counter, so an in-place change could not be seen."""
-    return (
-        w.dtype == torch.float32
-        and x.dtype == torch.float32
-        and w.device.type == "cpu"
-        and w.dim() == 2
-        and not (w.requires_grad and torch.is_grad_enabled())
-        and not w.is_inference()
-    )
 
 
 _SHARED = None

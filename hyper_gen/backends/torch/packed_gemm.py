@@ -22,6 +22,7 @@ from typing import Dict
 import torch
 
 from hyper_gen import switches
+from hyper_gen.backends.torch import product_timing
 
 MIN_ROWS = 8  # below this the plain product streams as fast (matrix-vector paths)
 MAX_ROWS = 64  # a larger batch streams its weights well enough unpacked
@@ -54,7 +55,7 @@ class PackedWeights:
         rows = x.shape[0]
         if not (self.enabled and x.dim() == 3 and x.shape[1] == 1 and MIN_ROWS <= rows <= MAX_ROWS):
             return x @ w
-        if not _eligible(x, w):
+        if not product_timing.packable(x, w):
             return x @ w
         entry = self.packed.get(id(w))
         if entry is not None and entry[2] != w._version:  # changed in place (an optimizer step): stale
@@ -96,19 +97,6 @@ class PackedWeights:
         self._drop(key)
         self.streak.pop(key, None)
         self.refused = {k for k in self.refused if k[0] != key}
-
-
-def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """A float32 CPU matrix not being trained, and not an inference tensor (no version counter:
-    an in-place change could not be seen)."""
-    return (
-        w.dtype == torch.float32
-        and x.dtype == torch.float32
-        and w.device.type == "cpu"
-        and w.dim() == 2
-        and not (w.requires_grad and torch.is_grad_enabled())
-        and not w.is_inference()
-    )
 
 
 _SHARED = None
