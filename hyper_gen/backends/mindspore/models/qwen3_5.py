@@ -1236,7 +1236,7 @@ def _segment_kernel(steps: tuple):
     that core's output and ``_attention_pre_rows``' gate), ``delta`` (a whole Gated DeltaNet layer;
     its new conv and recurrent states are returned), ``pre`` (an attention layer up to its core:
     q, k, v, gate are returned), ``attend`` (the core over a static cache's whole buffers, this
-    token's keys and values written where the (1, 1, length, 1) mask ``write`` is set; the new
+    token's keys and values written at the position the (B * kv heads, 2) index ``write`` names; the new
     buffers are returned) and ``head`` (final norm and LM head: the logits are returned).
     Returns (x or logits, q, k, v, gate or None, the new states and buffers in layer order)."""
 
@@ -1256,7 +1256,8 @@ def _segment_kernel(steps: tuple):
             elif kind == "pre":
                 q, k, v, gate = _attention_pre_rows(x, *args[at : at + 5], cos, sin, sizes)
             elif kind == "attend":  # a static cache: this token written at `write`, then attend_one's ops
-                keys, values = mint.where(args[at + 2], k, args[at]), mint.where(args[at + 2], v, args[at + 1])
+                keys = _write_position(args[at], k, args[at + 2])
+                values = _write_position(args[at + 1], v, args[at + 2])
                 out = _attend_rows(q, keys, values, args[at + 3], sizes[0], x.dtype)
                 states = states + (keys, values)
             else:
@@ -1322,11 +1323,22 @@ def _on_cpu() -> bool:
     return ms.get_context("device_target") == "CPU"
 
 
-def _write_mask(length: int, position: int) -> Tensor:
-    """(1, 1, length, 1) bool, True at ``position``: where a static cache's buffers take the token."""
-    mask = np.zeros((1, 1, length, 1), np.bool_)
-    mask[0, 0, position, 0] = True
-    return Tensor(mask)
+def _write_index(rows: int, position: int) -> Tensor:
+    """(rows, 2) int32 pairs (row, ``position``): where a static cache's (B * kv heads, length, D)
+    buffers take the token (``_write_position``)."""
+    return Tensor(np.stack([np.arange(rows), np.full(rows, position)], 1).astype(np.int32))
+
+
+_scatter_update = ops.TensorScatterUpdate()
+
+
+def _write_position(buffer, row, index):
+    """``buffer`` (B, H, T, D) with ``row`` (B, H, 1, D) written at the position ``index``
+    (``_write_index``) names: one TensorScatterUpdate, which copies the buffer once. (A ``where``
+    over a one-position mask reads the buffer, the row and the mask for every position: twice
+    the time, ~4 ms a layer for a batch of 16 at 2048 positions; docs/performance.md.)"""
+    b, h, t, d = buffer.shape
+    return _scatter_update(buffer.reshape(b * h, t, d), index, row.reshape(b * h, d)).reshape(b, h, t, d)
 
 
 class DecoderLayer(nn.Cell):
@@ -1575,7 +1587,8 @@ class Qwen3_5ForCausalLM(nn.Cell):
         # and the whole step is one graph
         whole = cache.is_static and cache.seq_length < cache.max_length
         whole = whole and all(layer.mixer.layer_idx in cache.keys for layer in self.layers if layer.is_attention)
-        write = _write_mask(cache.max_length, cache.seq_length) if whole else None
+        kv_heads = {layer.mixer.num_kv_heads for layer in self.layers if layer.is_attention}
+        write = {n: _write_index(b * n, cache.seq_length) for n in kv_heads} if whole else None
         # (the embedding stays PyNative: gathered in the graph, the step was ~10 ms slower)
         x, steps, args = self._embed(input_ids), [], []
         if whole:  # the rotary tables in the graph too
@@ -1594,7 +1607,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 args += [layer.eps, mix.qkv_t, mix.eps, mix.qk_norm, mix.rotate]
                 if whole:
                     steps.append(("attend", len(args), (mix.acc,), 0))
-                    args += [cache.keys[idx], cache.values[idx], write, attention_mask]
+                    args += [cache.keys[idx], cache.values[idx], write[mix.num_kv_heads], attention_mask]
                     written.append(("attention", idx))
                 else:
                     x, q, k, v, gate = _run_segment(steps, x, out, gate, args, written, cache)
