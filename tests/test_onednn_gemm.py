@@ -50,7 +50,7 @@ def fake_timer(packed_by_rows: dict):
     calls = []
 
     def timer(rows, inner, out, kind):
-        calls.append((rows, kind))
+        calls.append((rows, kind, out))
         return packed_by_rows[rows] if kind == "packed" else 1.0
 
     return timer, calls
@@ -72,8 +72,11 @@ def test_choice_is_timed_once_per_shape_and_only_for_large_weights(monkeypatch):
     assert onednn_gemm.use_packed(1024, 3072, timer)
     assert len(calls) == count  # cached
     assert not onednn_gemm.use_packed(64, 96, timer)  # too small to matter
-    assert not onednn_gemm.use_packed(1024, 248320, timer)  # a large vocabulary's head stays as it is
     assert len(calls) == count
+    # a large vocabulary's head: timed on a slice of its columns, against the whole product it runs
+    assert onednn_gemm.use_packed(1024, 248320, timer)
+    assert {(kind, out) for _, kind, out in calls[count:]} == {("packed", 1 << 14), ("whole", 1 << 14)}
+    count = len(calls)
     monkeypatch.setenv("HYPER_GEN_TORCH_ONEDNN_GEMM_MB", "0")  # off: nothing timed
     assert not onednn_gemm.use_packed(2048, 3072, timer)
     assert len(calls) == count

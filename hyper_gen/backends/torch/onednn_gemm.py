@@ -9,7 +9,7 @@ once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` and
 whatever the vendor. Whether it is faster depends on the host, so it is decided per (in, out)
 shape at load by timing it against the product that would run otherwise (whole or blocked), at
 prefill rows, at a batched decode step's rows and for one row streaming the weight from memory
-(``use_packed``). Numbers: docs/performance.md.
+(``use_packed``; a large vocabulary's head on a slice of its columns). Numbers: docs/performance.md.
 
 The packed copy lives beside the weight (the checkpoint's tensor stays for the tied embedding,
 state dicts, float64 and other devices), keyed by the weight and its version counter: a weight
@@ -37,7 +37,8 @@ DECODE_ROWS = 16  # rows of the timed batched-decode product
 MARGIN = 0.9  # packed is kept only if it takes at most this share of the other's time at those rows
 DECODE_SLACK = 1.1  # ... and at most this many times its time for one row
 MIN_ELEMENTS = 1 << 18  # smaller weights: too small for the kernel to matter (no timing)
-MAX_OUT = 1 << 16  # wider weights (a large vocabulary's head) stay as they are (timing one costs GBs)
+MAX_OUT = 1 << 16  # a wider weight (a large vocabulary's head) is timed on a slice of its columns:
+SLICE_OUT = 1 << 14  # this many (64 MB at 1024 inputs: past the cache for the one-row product)
 
 _CHOSEN: Dict[Tuple[int, int], bool] = {}
 
@@ -62,11 +63,12 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def _seconds(rows: int, inner: int, out: int, kind: str) -> float:
     """Median per-product seconds of (rows, inner) by an (inner, out) weight: ``kind`` "packed"
-    (oneDNN), else the product ``blocked_gemm`` chose for the shape (``product_timing``: one row
-    streams copies, more rows reuse one)."""
+    (oneDNN), "whole" (``x @ w``) or "current" (the product ``blocked_gemm`` chose for the shape)
+    (``product_timing``: one row streams copies, more rows reuse one)."""
     copies = product_timing.copies_for(rows, inner, out)
     if kind != "packed":
-        return blocked_gemm._seconds(rows, inner, out, blocked_gemm.block_width(inner, out))
+        width = blocked_gemm.block_width(inner, out) if kind == "current" else 0
+        return blocked_gemm._seconds(rows, inner, out, width)
     x = torch.full((rows, inner), 0.5)
     weights = [pack(torch.full((out, inner), 0.25)) for _ in range(copies)]
     return product_timing.median_seconds(lambda k: packed_product(x, weights[k]), copies)
@@ -79,12 +81,15 @@ def use_packed(inner: int, out: int, timer: Callable[[int, int, int, str], float
     key = (inner, out)
     if key in _CHOSEN:
         return _CHOSEN[key]
-    if _budget_bytes() == 0 or not available() or inner * out < MIN_ELEMENTS or out > MAX_OUT:
+    if _budget_bytes() == 0 or not available() or inner * out < MIN_ELEMENTS:
         return False
     timer = timer or _seconds
+    # a head of 248k columns costs GBs and seconds to time whole: SLICE_OUT of its columns stand for
+    # it (a wide product's time is its columns' times added up), against the whole product it runs
+    timed, current = (out, "current") if out <= MAX_OUT else (SLICE_OUT, "whole")
     chosen = True
     for rows, bound in ((PREFILL_ROWS, MARGIN), (DECODE_ROWS, MARGIN), (1, DECODE_SLACK)):
-        if timer(rows, inner, out, "packed") > bound * timer(rows, inner, out, "current"):
+        if timer(rows, inner, timed, "packed") > bound * timer(rows, inner, timed, current):
             chosen = False
             break
     _CHOSEN[key] = chosen
