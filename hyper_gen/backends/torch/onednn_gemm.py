@@ -77,7 +77,8 @@ def _seconds(rows: int, inner: int, out: int, kind: str) -> float:
 def use_packed(inner: int, out: int, timer: Callable[[int, int, int, str], float] = None) -> bool:
     """Whether an (inner, out) float32 CPU weight is multiplied through its oneDNN-packed copy here:
     timed once per shape in a process. ``timer(rows, inner, out, kind)`` returns seconds for
-    ``kind`` "packed" or "current" (default: torch on this process's threads)."""
+    ``kind`` "packed", "current" or "whole" (``_seconds``; default: torch on this process's
+    threads)."""
     key = (inner, out)
     if key in _CHOSEN:
         return _CHOSEN[key]
@@ -111,7 +112,7 @@ class PackedWeights:
     def project(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
         """``x @ w`` for an (in, out) ``w`` through its packed copy; None where it does not apply
         (another dtype or device, a weight being trained, an unchosen shape, the budget spent)."""
-        if not product_timing.packable(x, w) or not _CHOSEN.get(tuple(w.shape), False):
+        if not _CHOSEN.get(tuple(w.shape), False) or not product_timing.packable(x, w):
             return None
         key = id(w)
         entry = self.packed.get(key)

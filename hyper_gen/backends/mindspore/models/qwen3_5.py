@@ -499,13 +499,12 @@ class TokenPacking:
         return ops.gather(ops.concat([x, _zeros((1, x.shape[1]), x.dtype)], 0), self.unpack_index, 0)
 
 
-def _recurrent_step(q, k, v, neg_g, beta, state):
-    """One decode step of the gated delta rule: q, k (B, H, 1, Dk), v (B, H, 1, Dv), ``neg_g``
-    (-g, the log decay's negation) and beta (B, H, 1, 1), state (B, H, Dk, Dv); all in the compute
-    dtype. The decay is HF's ``S * exp(g)``, with the factor broadcast to the state's shape first:
-    a broadcasting product or quotient over a batched state is several times slower
-    (docs/performance.md)."""
-    state = _mul(state, ops.broadcast_to(_exp(ops.neg(neg_g)), state.shape))
+def _recurrent_step(q, k, v, g, beta, state):
+    """One decode step of the gated delta rule: q, k (B, H, 1, Dk), v (B, H, 1, Dv), ``g`` (the
+    log decay) and beta (B, H, 1, 1), state (B, H, Dk, Dv); all in the compute dtype. The decay
+    is HF's ``S * exp(g)``, with the factor broadcast to the state's shape first: a broadcasting
+    product or quotient over a batched state is several times slower (docs/performance.md)."""
+    state = _mul(state, ops.broadcast_to(_exp(g), state.shape))
     delta = _mul(_sub(v, _bmm(k, state)), beta)
     state = _add(state, _bmm_ta(k, delta))  # + k^T delta
     return _bmm(q, state), state
@@ -796,8 +795,8 @@ class GatedDeltaNet(nn.Cell):
         self.conv_t = weights.constant(conv[None, :, 0, :].transpose(0, 2, 1))  # (1, kernel, channels)
         self.conv_taps = tuple(weights.constant(np.ascontiguousarray(conv[:, 0, j])) for j in range(self.kernel))
         # (1, heads), as every constant an op broadcasts: MindSpore CPU broadcasts slower across ranks
-        # g = -a * softplus(.)
-        self.a = ops.exp(weights.constant(weights.read(shard.a_log)[None]))
+        # g = a * softplus(.), a = -exp(A_log) as HF computes it
+        self.a = ops.neg(ops.exp(weights.constant(weights.read(shard.a_log)[None])))
         self.dt_bias = weights.constant(weights.read(shard.dt_bias)[None])
         norm_weight = _round_to(weights.read(shard.norm), weights.dtype)
         self.out_t = weights.linear_t([shard.out_proj], np.tile(norm_weight, self.num_v_heads))
@@ -900,11 +899,11 @@ class GatedDeltaNet(nn.Cell):
         if nk != nv:  # value head j reads key head j // (nv / nk)
             q, k = (ops.broadcast_to(t.reshape(n, nk, 1, dk), (n, nk, nv // nk, dk)) for t in (q, k))
         beta = _sigmoid(_cast(beta, acc))
-        neg_g = _mul(_softplus(_add(_cast(a, acc), self.dt_bias)), self.a)  # -g, the log decay's negation
+        g = _mul(_softplus(_add(_cast(a, acc), self.dt_bias)), self.a)  # the log decay
         if step:
             q, k = q.reshape(b, nv, 1, dk), k.reshape(b, nv, 1, dk)
             out, state = _recurrent_step(
-                q, k, v.reshape(b, nv, 1, dv), neg_g.reshape(b, nv, 1, 1), beta.reshape(b, nv, 1, 1), state
+                q, k, v.reshape(b, nv, 1, dv), g.reshape(b, nv, 1, 1), beta.reshape(b, nv, 1, 1), state
             )
         else:
             # (B, heads, S, D) copies of the token-major q / k / v by Gather (``_gather_rows``): row
@@ -921,7 +920,7 @@ class GatedDeltaNet(nn.Cell):
                 v = _gather_rows(mixed.reshape(n * per_token, dv), value_rows, (b, nv, s, dv))
             else:
                 v = v.reshape(b, s, nv, dv).transpose(0, 2, 1, 3)
-            g = ops.neg(neg_g).reshape(b, s, nv).transpose(0, 2, 1)
+            g = g.reshape(b, s, nv).transpose(0, 2, 1)
             beta = beta.reshape(b, s, nv).transpose(0, 2, 1)
             if sharded:
                 out, state = self._relayed_chunks(q, k, v, g, beta, cp_step)
@@ -1140,12 +1139,12 @@ def _delta_step_rows(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_b
         q = ops.broadcast_to(q.reshape(b, nk, 1, dk), (b, nk, nv // nk, dk))
         k = ops.broadcast_to(k.reshape(b, nk, 1, dk), (b, nk, nv // nk, dk))
     beta = _sigmoid(_cast(beta, acc))
-    neg_g = _mul(_softplus(_add(_cast(a_in, acc), dt_bias)), a)
+    g = _mul(_softplus(_add(_cast(a_in, acc), dt_bias)), a)
     out, state = _recurrent_step(
         q.reshape(b, nv, 1, dk),
         k.reshape(b, nv, 1, dk),
         v.reshape(b, nv, 1, dv),
-        neg_g.reshape(b, nv, 1, 1),
+        g.reshape(b, nv, 1, 1),
         beta.reshape(b, nv, 1, 1),
         state,
     )
@@ -1477,6 +1476,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         )
         # a dense tp-1 model's decode steps run as _segment_kernel graphs (_segmented_decode)
         self.segments_decode = plan.tp == 1 and all(isinstance(layer.mlp, MLP) for layer in self.layers)
+        self.kv_heads = {layer.mixer.num_kv_heads for layer in self.layers if layer.is_attention}
         self.norm = Tensor(weights.norm_scale(shard.final_norm)[None])
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         # rotary frequencies over the whole head: [f, f] on the rotary dims, 0 (cos 1, sin 0) after
@@ -1587,8 +1587,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         # and the whole step is one graph
         whole = cache.is_static and cache.seq_length < cache.max_length
         whole = whole and all(layer.mixer.layer_idx in cache.keys for layer in self.layers if layer.is_attention)
-        kv_heads = {layer.mixer.num_kv_heads for layer in self.layers if layer.is_attention}
-        write = {n: _write_index(b * n, cache.seq_length) for n in kv_heads} if whole else None
+        write = {n: _write_index(b * n, cache.seq_length) for n in self.kv_heads} if whole else None
         # (the embedding stays PyNative: gathered in the graph, the step was ~10 ms slower)
         x, steps, args = self._embed(input_ids), [], []
         if whole:  # the rotary tables in the graph too
