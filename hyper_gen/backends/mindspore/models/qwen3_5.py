@@ -273,6 +273,20 @@ _softplus = mint.nn.functional.softplus  # torch's (threshold 20); ops.softplus 
 _softmax = mint.nn.functional.softmax
 _glu = mint.nn.functional.glu
 
+_mul_kernel = ops.Mul()
+# From here on MulNoNan's CPU kernel is slower than Mul's in a graph (4-10x over 100K elements, a
+# batch's recurrent state); below, Mul costs more to launch (docs/performance.md)
+_LARGE_PRODUCT = 65536
+
+
+def _product(x: Tensor, y: Tensor) -> Tensor:
+    """``x * y`` (``y`` broadcast to x's shape) by the faster kernel for x's size: the same
+    values (no operand is inf or nan). A large product's factor is broadcast first (a
+    broadcasting kernel is slower still)."""
+    if x.size < _LARGE_PRODUCT:
+        return _mul(x, y)
+    return _mul_kernel(x, y if y.shape == x.shape else ops.broadcast_to(y, x.shape))
+
 
 def _mul_tiled(x: Tensor, y: Tensor) -> Tensor:
     """``x * y`` with ``y`` broadcast to x's shape by ``ops.tile`` first: MindSpore CPU's
@@ -281,11 +295,11 @@ def _mul_tiled(x: Tensor, y: Tensor) -> Tensor:
     y = y.reshape((1,) * (x.ndim - y.ndim) + tuple(y.shape))
     if tuple(y.shape) != tuple(x.shape):
         y = ops.tile(y, tuple(a // c for a, c in zip(x.shape, y.shape)))
-    return _mul(x, y)
+    return _product(x, y)
 
 
 def _silu(x: Tensor) -> Tensor:
-    return _mul(x, _sigmoid(x))
+    return _product(x, _sigmoid(x))
 
 
 def _normalize(x: Tensor, eps: Tensor) -> Tensor:
@@ -406,7 +420,7 @@ def _chunk_terms(q, k, v, g, beta, chunk: int = 0) -> dict:
     # (module docstring: the Tensor operators dispatch the slower Mul); no operand is inf or nan
     decay = _exp(_add(_sub(cum[..., :, None], cum[..., None, :]), upper))
     k_beta = _mul_tiled(k, beta)
-    system = _add(eye, _mul_tiled(_mul(_bmm_tb(k_beta, k), decay), strict_lower))
+    system = _add(eye, _mul_tiled(_product(_bmm_tb(k_beta, k), decay), strict_lower))
     exp_cum = _exp(cum)[..., None]
     solved = _solve_lower(system, ops.concat([_mul_tiled(v, beta), _mul_tiled(k_beta, exp_cum)], -1))
     return {
@@ -415,7 +429,7 @@ def _chunk_terms(q, k, v, g, beta, chunk: int = 0) -> dict:
         "shape": (b, h, dk, dv),
         "values": _take(solved, -1, 0, dv),
         "k_cumdecay": _take(solved, -1, dv, solved.shape[-1]),
-        "intra": _mul(_bmm_tb(q, k), decay),
+        "intra": _product(_bmm_tb(q, k), decay),
         "q": _mul_tiled(q, exp_cum),
         "k_decayed": _mul_tiled(k, _exp(_sub(cum[..., -1:], cum))[..., None]),  # k^T of the state update
         "chunk_decay": _exp(cum[..., -1])[..., None, None],
@@ -434,7 +448,7 @@ def _chunk_scan(terms: dict, state, trim: bool = True):
     for i in range(values.shape[2]):  # chunk i of each term by _take: a [:, :, i] view copies slowly
         v_new = _sub(_take(values, 2, i), _bmm(_take(k_cumdecay, 2, i), state))
         outputs.append(_add(_bmm(_take(q, 2, i), state), _bmm(_take(intra, 2, i), v_new)))
-        state = _add(_mul(state, _take(chunk_decay, 2, i)), _bmm_ta_flag(_take(k_decayed, 2, i), v_new))
+        state = _add(_product(state, _take(chunk_decay, 2, i)), _bmm_ta_flag(_take(k_decayed, 2, i), v_new))
     out = outputs[0] if len(outputs) == 1 else ops.concat(outputs, 2)
     return (out[:, :, : terms["length"]] if terms["padded"] and trim else out), state
 
@@ -504,7 +518,7 @@ def _recurrent_step(q, k, v, g, beta, state):
     log decay) and beta (B, H, 1, 1), state (B, H, Dk, Dv); all in the compute dtype. The decay
     is HF's ``S * exp(g)``, with the factor broadcast to the state's shape first: a broadcasting
     product or quotient over a batched state is several times slower (docs/performance.md)."""
-    state = _mul(state, ops.broadcast_to(_exp(g), state.shape))
+    state = _product(state, ops.broadcast_to(_exp(g), state.shape))
     delta = _mul(_sub(v, _bmm(k, state)), beta)
     state = _add(state, _bmm_ta(k, delta))  # + k^T delta
     return _bmm(q, state), state
@@ -682,9 +696,9 @@ class GatedAttention(nn.Cell):
         if packing is not None:
             projected = packing.unpack(projected)
         qk, v, gate = _take_split(projected, self.split_sizes)
-        qk = _cast(_mul(_normalize(_cast(qk.reshape(n, heads, d), self.acc), self.eps), self.qk_norm), x.dtype)
+        qk = _cast(_product(_normalize(_cast(qk.reshape(n, heads, d), self.acc), self.eps), self.qk_norm), x.dtype)
         rotated = _matmul(qk.reshape(n * heads, d), self.rotate).reshape(n, heads, d)
-        qk = _add(_mul(qk, cos), _mul(rotated, sin))
+        qk = _add(_product(qk, cos), _product(rotated, sin))
         group = nh // nkv
         if s == 1:
             q, k = mint.split(qk, (nh, nkv), 1)
@@ -700,7 +714,7 @@ class GatedAttention(nn.Cell):
             keys, values = cache.update(k, v, self.layer_idx)
         elif cp_step.decode:
             out = _cast(self._attend_partial(q, k, v, attention_mask, cache, cp_step), x.dtype)
-            return _matmul(_mul(out.reshape(n, nh * d), _sigmoid(gate)), self.o_t)
+            return _matmul(_product(out.reshape(n, nh * d), _sigmoid(gate)), self.o_t)
         else:  # context-parallel prefill: this rank's queries over the prompt's K/V (all-gathered when sharded)
             cp_step.store_prefill(cache, self.layer_idx, k, v)
             keys, values = k, v
@@ -722,7 +736,7 @@ class GatedAttention(nn.Cell):
         else:  # token-major again: row (b, head, position) of the (B, nh, S, D) output
             out_rows = (np.arange(b)[:, None, None] * nh + np.arange(nh)[None, None, :]) * s
             out = _gather_rows(out.reshape(b * nh * s, d), out_rows + np.arange(s)[None, :, None], (n, nh * d))
-        out = _mul(out, _sigmoid(gate))
+        out = _product(out, _sigmoid(gate))
         if packing is not None:
             out = packing.pack(out)
         return _matmul(out, self.o_t)
@@ -939,7 +953,7 @@ class GatedDeltaNet(nn.Cell):
         # its weight is in out_t
         out = _cast(_cast(out, x.dtype), acc).reshape(n, nv, dv)
         out = _cast(_cast(_normalize(out, self.gated_norm_eps), x.dtype), acc)
-        out = _mul(out.reshape(n, self.value_dim), _silu(_cast(z, acc)))
+        out = _product(out.reshape(n, self.value_dim), _silu(_cast(z, acc)))
         return _matmul(_cast(out, x.dtype), self.out_t)
 
 
@@ -962,7 +976,7 @@ class MLP(nn.Cell):
 
     def construct(self, x):
         up_gate = _matmul(x, self.up_gate_t)
-        hidden = _mul(_glu(up_gate, -1), _take(up_gate, -1, self.inter, 2 * self.inter))
+        hidden = _product(_glu(up_gate, -1), _take(up_gate, -1, self.inter, 2 * self.inter))
         return _matmul(hidden, self.down_t)
 
 
@@ -1111,7 +1125,7 @@ _transpose_copy = ops.Transpose()
 def _mlp_rows(x, eps, up_gate_t, down_t, inter):
     """The dense MLP residual branch of (N, hidden) rows: its post-attention RMSNorm included."""
     up_gate = _matmul(_rms_norm(x, eps), up_gate_t)
-    return _matmul(_mul(_glu(up_gate, -1), up_gate[:, inter:]), down_t)  # (no float64 NarrowView in graphs)
+    return _matmul(_product(_glu(up_gate, -1), up_gate[:, inter:]), down_t)  # (no float64 NarrowView in graphs)
 
 
 def _whole(sizes: tuple, width: int) -> tuple:
@@ -1129,7 +1143,7 @@ def _delta_step_rows(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_b
     mixed, z, beta, a_in = mint.split(projected, _whole((conv_dim, value_dim, nv, nv), projected.shape[-1]), -1)[:4]
     window = ops.concat([mint.transpose(conv_state, 1, 2), mixed.reshape(b, 1, conv_dim)], 1)  # (B, kernel, C)
     new_conv = _transpose_copy(window[:, 1:], (0, 2, 1))  # contiguous: the next step's input (_compiled)
-    taps = _mul(_cast(window, conv_t.dtype), conv_t)
+    taps = _product(_cast(window, conv_t.dtype), conv_t)
     mixed = _silu(_cast(_bmm(ones, taps).reshape(b, conv_dim), mixed.dtype))
     qk, v = mint.split(_cast(mixed, acc), (2 * nk * dk, value_dim), -1)
     qk = qk.reshape(b, 2 * nk, dk)
@@ -1150,7 +1164,7 @@ def _delta_step_rows(x, conv_state, state, eps, in_proj_t, conv_t, ones, a, dt_b
     )
     out = _cast(_cast(out, x.dtype), acc).reshape(b, nv, dv)
     out = _cast(_cast(_normalize(out, gated_eps), x.dtype), acc)
-    out = _mul(out.reshape(b, value_dim), _silu(_cast(z, acc)))
+    out = _product(out.reshape(b, value_dim), _silu(_cast(z, acc)))
     return _matmul(_cast(out, x.dtype), out_t), new_conv, state
 
 
@@ -1163,16 +1177,16 @@ def _attention_pre_rows(x, eps, qkv_t, norm_eps, qk_norm, rotate, cos, sin, size
     split = ((nh + nkv) * d, nkv * d, nh * d)
     projected = _matmul(_rms_norm(x, eps), qkv_t)
     qk, v, gate = mint.split(projected, _whole(split, projected.shape[-1]), -1)[:3]
-    qk = _cast(_mul(_normalize(_cast(qk.reshape(b, heads, d), acc), norm_eps), qk_norm), x.dtype)
+    qk = _cast(_product(_normalize(_cast(qk.reshape(b, heads, d), acc), norm_eps), qk_norm), x.dtype)
     rotated = _matmul(qk.reshape(b * heads, d), rotate).reshape(b, heads, d)
-    q, k = mint.split(_add(_mul(qk, cos), _mul(rotated, sin)), (nh, nkv), 1)
+    q, k = mint.split(_add(_product(qk, cos), _product(rotated, sin)), (nh, nkv), 1)
     return q.reshape(b, nkv, nh // nkv, d), k.reshape(b, nkv, 1, d), v.reshape(b, nkv, 1, d), _sigmoid(gate)
 
 
 def _attention_out_rows(out, gate, o_t):
     """The gated attention output projection of (B, nh * D) rows (a partial sum under TP); ``gate``
     is ``_attention_pre_rows``' sigmoid(gate logits)."""
-    return _matmul(_mul(out, gate), o_t)
+    return _matmul(_product(out, gate), o_t)
 
 
 def _delta_layer_rows(x, conv_state, state, eps, *weights, sizes, inter):
@@ -1275,7 +1289,7 @@ def _mlp_kernel(inter):
 
 def _head_rows(x, eps, norm, blocks):
     """Final RMSNorm and the LM head blocks (concatenated) of (N, hidden) rows."""
-    h = _cast(_mul(_normalize(_cast(x, eps.dtype), eps), norm), x.dtype)
+    h = _cast(_product(_normalize(_cast(x, eps.dtype), eps), norm), x.dtype)
     logits = [_matmul(h, block) for block in blocks]
     return logits[0] if len(logits) == 1 else ops.concat(logits, -1)
 
