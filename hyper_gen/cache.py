@@ -171,6 +171,19 @@ class DynamicCache(_ModelCache):
         return self.seq_length
 
 
+def static_length(positions: int, multiple: int) -> int:
+    """A static cache's buffer length for ``positions``: rounded up to ``multiple`` (a model's
+    ``static_cache_multiple``; 1: exactly ``positions``). A model whose decode step is compiled
+    for its buffers' shape (MindSpore graphs) then reuses one graph for every batch whose prompt +
+    max_new_tokens falls in the same bucket, instead of compiling one per length; the extra
+    positions are never written and the attention mask hides them. Never past
+    MAX_STATIC_POSITIONS by rounding."""
+    if multiple <= 1:
+        return positions
+    rounded = -(-positions // multiple) * multiple
+    return rounded if rounded <= MAX_STATIC_POSITIONS else positions
+
+
 def make_cache(implementation: str, ops, batch_size: int, max_length: int):
     """The cache object ``cache_implementation`` names."""
     if implementation == "static":

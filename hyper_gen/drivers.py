@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .cache import KVCache, make_cache
+from .cache import KVCache, make_cache, static_length
 from .masks import decode_mask, full_sequence_mask, prefill_mask
 
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -174,15 +174,17 @@ class _Driver:
             self._device(prefill_mask(prompt.mask, key_length, self.dtype), self.dtype, "attention_mask"),
         )
 
-    def _allocate_decode_mask(self, whole: bool) -> None:
+    def _allocate_decode_mask(self, whole: bool, columns: int = 0) -> None:
         """Preallocate the decode mask: prompt padding masked, later columns masked until written.
 
-        A static cache attends over all its columns, so its mask is whole; otherwise it starts 256
-        steps wide and doubles when the sequence outgrows it (nothing sized to max_new_tokens)."""
+        A static cache attends over all its ``columns`` (its buffer length), so its mask is whole;
+        otherwise it starts 256 steps wide and doubles when the sequence outgrows it (nothing sized
+        to max_new_tokens)."""
         if not self.signature.accepts("attention_mask"):
             return
         prompt = self.prompt
-        columns = self.total_length if whole else min(self.total_length, prompt.width + 256)
+        if not whole:
+            columns = min(self.total_length, prompt.width + 256)
         self._decode_mask = self.ops.asarray(decode_mask(prompt.mask, columns, self.dtype), self.dtype)
         self._unmask = self.ops.asarray(np.zeros((prompt.batch_size, 1, 1, 1)), self.dtype)
         self._whole_decode_mask = whole
@@ -274,6 +276,8 @@ class CacheObjectDriver(_Driver):
     def __init__(self, *args):
         super().__init__(*args)
         self.use_cache = self.config.use_cache and self.signature.accepts("past_key_values")
+        # positions a static cache's length is rounded up to (hyper_gen.cache.static_length)
+        self.static_multiple = int(getattr(self.model, "static_cache_multiple", 1))
 
     def _call_full(self, ids, positions, mask):
         cache = make_cache("dynamic", self.ops, self.host_ids.shape[0], self.host_ids.shape[1])
@@ -287,10 +291,13 @@ class CacheObjectDriver(_Driver):
         ops, prompt, cfg = self.ops, self.prompt, self.config
         if not self.use_cache:
             return self._expand(self._full_recompute())
-        self.cache = make_cache(cfg.cache_implementation, ops, prompt.batch_size, self.total_length)
+        length = self.total_length
+        if cfg.cache_implementation == "static":
+            length = static_length(length, self.static_multiple)
+        self.cache = make_cache(cfg.cache_implementation, ops, prompt.batch_size, length)
         if prompt.padded:
             self.cache.prompt_mask = ops.asarray(prompt.mask, self.dtype)
-        key_length = self.total_length if self.cache.is_static else prompt.width
+        key_length = length if self.cache.is_static else prompt.width
         ids, positions, mask = self._prefill_inputs(key_length)
         output = self._call(
             ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, logits_to_keep=1
@@ -298,7 +305,7 @@ class CacheObjectDriver(_Driver):
         self.cache.advance(prompt.width)
         self.cache.prompt_mask = None
         logits = self._expand(_logits(output))
-        self._allocate_decode_mask(whole=self.cache.is_static)
+        self._allocate_decode_mask(whole=self.cache.is_static, columns=length)
         return logits
 
     def _repeat_cache(self, rows):

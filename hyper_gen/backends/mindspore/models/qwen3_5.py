@@ -1053,6 +1053,10 @@ class SparseMoE(nn.Cell):
 # PyNative. A new batch size compiles once (~1-3 s on CPU) before its first step. (Read at import;
 # a value other than 0 / 1 is load()'s ValueError, _check_switches.)
 COMPILED_DECODE = os.environ.get("HYPER_GEN_MINDSPORE_JIT", "1") != "0"
+# Positions a static cache's length is rounded up to when the decode step is one graph (compiled
+# for the buffers' shape): every prompt + max_new_tokens in a bucket shares the graph; the extra
+# positions cost a few masked attention columns a step
+STATIC_CACHE_MULTIPLE = 256
 
 
 def _check_switches() -> None:
@@ -1490,6 +1494,11 @@ class Qwen3_5ForCausalLM(nn.Cell):
         )
         # a dense tp-1 model's decode steps run as _segment_kernel graphs (_segmented_decode)
         self.segments_decode = plan.tp == 1 and all(isinstance(layer.mlp, MLP) for layer in self.layers)
+        # its one-graph decode step is compiled for the static cache's buffer length: generate()
+        # rounds that length up to a multiple of this (hyper_gen.cache.static_length), so batches
+        # of other prompt lengths reuse the graph instead of compiling their own (~1-3 s each)
+        whole_step = self.segments_decode and self.cp_plan.cp == 1 and COMPILED_DECODE
+        self.static_cache_multiple = STATIC_CACHE_MULTIPLE if whole_step else 1
         self.kv_heads = {layer.mixer.num_kv_heads for layer in self.layers if layer.is_attention}
         self.norm = Tensor(weights.norm_scale(shard.final_norm)[None])
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
