@@ -21,13 +21,14 @@ Layout choices are for MindSpore on CPU (the measurements behind them: docs/perf
 
 Decode speed on CPU is per-op overhead (a fixed cost per op, whatever its size) plus the weight
 reads, so the one-token paths are written for the fewest and cheapest kernels: cached primitives
-instead of Tensor operators (a primitive call costs less than an operator); ``Mul`` is the slowest
-elementwise kernel, even for a few elements, while ``MulNoNan`` is cheaper, so products are
-``MulNoNan`` (identical but for ``inf * 0``); the state decays as HF's ``S * exp(g)`` with the
-per-head factor broadcast to the (B, H, Dk, Dv) state first (a broadcasting kernel over a batched
-state is several times slower); ``BatchMatMul`` with transpose flags instead of transposed copies;
-rotary as one matmul with a +-1 rotation matrix; ``mint.nn.functional.softplus`` (exact in
-float64, unlike ``ops.softplus``); sub-cells are called through ``construct`` (``Cell.__call__``
+instead of Tensor operators (a primitive call costs less than an operator); a small product is
+``MulNoNan`` (identical but for ``inf * 0``; in PyNative it launches faster than ``Mul``) and one
+of 64K+ elements ``Mul`` (MulNoNan's kernel is 4-10x slower there: ``_product``); the state
+decays as HF's ``S * exp(g)`` by ``Mul`` with the per-head factor broadcast to the (B, H, Dk, Dv)
+state first (a broadcasting kernel over a batched state is several times slower);
+``BatchMatMul`` with transpose flags instead of transposed copies; rotary as one matmul with a
++-1 rotation matrix; ``mint.nn.functional.softplus`` (exact in float64, unlike
+``ops.softplus``); sub-cells are called through ``construct`` (``Cell.__call__``
 adds a per-call overhead). A one-token forward goes further: its fixed-shape blocks (a whole
 Gated DeltaNet layer, an attention layer before and after its cache, the final norm and LM head)
 are compiled once per batch size with ``mindspore.jit`` ("compiled decode blocks" below; bitwise
@@ -517,8 +518,9 @@ def _recurrent_step(q, k, v, g, beta, state):
     """One decode step of the gated delta rule: q, k (B, H, 1, Dk), v (B, H, 1, Dv), ``g`` (the
     log decay) and beta (B, H, 1, 1), state (B, H, Dk, Dv); all in the compute dtype. The decay
     is HF's ``S * exp(g)``, with the factor broadcast to the state's shape first: a broadcasting
-    product or quotient over a batched state is several times slower (docs/performance.md)."""
-    state = _product(state, ops.broadcast_to(_exp(g), state.shape))
+    product or quotient over a batched state is several times slower, and so is MulNoNan's
+    kernel than Mul's on a state of any batch (2.6x at batch 1, 6x at 16; docs/performance.md)."""
+    state = _mul_kernel(state, ops.broadcast_to(_exp(g), state.shape))
     delta = _mul(_sub(v, _bmm(k, state)), beta)
     state = _add(state, _bmm_ta(k, delta))  # + k^T delta
     return _bmm(q, state), state
