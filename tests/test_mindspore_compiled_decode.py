@@ -19,6 +19,7 @@ from hyper_gen import generate, load_model
 from hyper_gen.demo import demo_model_path
 from hyper_gen.backends.mindspore.models import qwen3_5
 model = load_model(demo_model_path(), backend="mindspore", dtype="float64")
+model.decode_compile_after = 1  # a dynamic cache's steps compiled from the first
 ids = np.array([[0, 0, 85, 72, 89, 3, 20, 21, 22, 32], [85, 72, 89, 3, 24, 23, 22, 21, 20, 32]])
 mask = (np.arange(10)[None, :] >= np.array([[2], [0]])).astype(np.int64)
 out = generate(model, ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True, output_logits=True,
@@ -149,6 +150,7 @@ def test_a_dense_decode_step_launches_one_graph_or_one_per_stretch_between_atten
     from hyper_gen.models.loading import load_model
 
     model = load_model(demo_model_path(), backend="mindspore", dtype="float32")
+    model.decode_compile_after = 1  # a dynamic cache's steps compiled from the first
     attention_layers = sum(layer.is_attention for layer in model.layers)
     assert 0 < attention_layers < len(model.layers)
     launched, segment = [], qwen3_5._run_segment
@@ -160,3 +162,40 @@ def test_a_dense_decode_step_launches_one_graph_or_one_per_stretch_between_atten
     kinds = [kind for steps in launched[:per_step] for kind, *_ in steps]
     assert kinds.count("delta") == len(model.layers) - attention_layers and kinds[-1] == "head"
     assert kinds.count("attend") == (attention_layers if cache == "static" else 0)
+
+
+def test_a_dynamic_caches_batch_size_runs_compiled_once_seen_enough(monkeypatch):
+    """The in-flight engine's batch changes size as requests join and leave; compiling costs
+    ~0.5-2.5 s a size, so a dynamic cache's steps run PyNative until their batch size has been
+    decoded ``decode_compile_after`` times, and compiled from then on. Static caches (generate's
+    default) compile at once. Same tokens either way."""
+    from hyper_gen import generate
+    from hyper_gen.backends.mindspore.models import qwen3_5
+    from hyper_gen.demo import demo_model_path
+    from hyper_gen.models.loading import load_model
+
+    model = load_model(demo_model_path(), backend="mindspore", dtype="float32")
+    assert model.decode_compile_after == qwen3_5.DYNAMIC_COMPILE_AFTER > 1
+    model.decode_compile_after = 3
+    per_step = sum(layer.is_attention for layer in model.layers) + 1  # segment graphs a dynamic step
+    launched, segment = [], qwen3_5._run_segment
+    monkeypatch.setattr(qwen3_5, "_run_segment", lambda steps, *rest: launched.append(steps) or segment(steps, *rest))
+    one = np.array([[85, 72, 89, 3, 20, 21, 22, 32]])
+    two = np.array([[85, 72, 89, 3, 20, 21, 22, 32], [85, 72, 89, 3, 24, 23, 22, 21]])
+
+    def decode_launches(ids, cache, new_tokens=6):  # a prefill and new_tokens - 1 one-token steps
+        launched.clear()
+        tokens = generate(model, ids, max_new_tokens=new_tokens, cache_implementation=cache, eos_token_id=None)
+        return len(launched) // per_step if cache == "dynamic" else len(launched), tokens.asnumpy()
+
+    compiled_steps, mixed = decode_launches(one, "dynamic")
+    assert compiled_steps == 5 - 2  # PyNative for the first two steps at batch 1
+    compiled_steps, compiled = decode_launches(one, "dynamic")
+    assert compiled_steps == 5  # batch 1 is past the count: all five
+    assert decode_launches(two, "dynamic")[0] == 3  # a new size waits again
+    assert decode_launches(two, "static")[0] == 5  # a static cache compiles at once (one graph a step)
+    model.decode_compile_after = 10**9  # a count never reached: every step PyNative
+    compiled_steps, pynative = decode_launches(one, "dynamic")
+    assert compiled_steps == 0
+    np.testing.assert_array_equal(mixed, compiled)
+    np.testing.assert_array_equal(mixed, pynative)

@@ -1049,12 +1049,39 @@ class SparseMoE(nn.Cell):
 # between attention cores (3 a step on the mid shape, 7 on 0.8B), the cache writes and the
 # attention over the cached keys (their length grows every step) in PyNative between them. MoE
 # and tensor-parallel models launch the blocks one by one. Always PyNative: MoE routing (host),
-# the tensor-parallel sums (collectives) and every prefill.
+# the tensor-parallel sums (collectives) and every prefill; and a dynamic cache's steps until
+# their batch size has been decoded DYNAMIC_COMPILE_AFTER times (_CompileGate).
 
 # True (default): one-token forwards run the compiled blocks; False ($HYPER_GEN_MINDSPORE_JIT=0): all
 # PyNative. A new batch size compiles once (~1-3 s on CPU) before its first step. (Read at import;
 # a value other than 0 / 1 is load()'s ValueError, _check_switches.)
 COMPILED_DECODE = os.environ.get("HYPER_GEN_MINDSPORE_JIT", "1") != "0"
+# A dynamic cache's one-token steps (the in-flight engine's, whose batch changes size as requests
+# join and leave) run the compiled blocks only from the step at which their batch size has been
+# decoded this many times: rent until the rent paid would have bought the compile. Compiling a
+# batch size's graphs costs ~2.3 s on the mid shape, where a compiled dynamic-cache step saves
+# ~10 ms over PyNative (whose attention cores run PyNative between the graphs anyway): ~230
+# steps. Counted over the model's life, so the PyNative steps are bounded (sizes x this) and every
+# size in steady use ends up compiled. A static cache's steps (generate's default: one batch size
+# a call) compile at once. Per model: ``decode_compile_after``.
+DYNAMIC_COMPILE_AFTER = 256
+
+
+class _CompileGate:
+    """Which one-token steps run compiled (``DYNAMIC_COMPILE_AFTER``): every static-cache step;
+    a dynamic-cache step once its batch size has been decoded ``after`` times. Every rank of a
+    model sees the same sizes, so every rank decides the same."""
+
+    def __init__(self):
+        self.seen: Dict[int, int] = {}
+
+    def allows(self, batch: int, static: bool, after: int) -> bool:
+        if static:
+            return True
+        self.seen[batch] = self.seen.get(batch, 0) + 1
+        return self.seen[batch] >= after
+
+
 # Positions a static cache's length is rounded up to when the decode step is one graph (compiled
 # for the buffers' shape): every prompt + max_new_tokens in a bucket shares the graph; the extra
 # positions cost a few masked attention columns a step
@@ -1382,8 +1409,9 @@ class DecoderLayer(nn.Cell):
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
         self.partial_sum = partial_sum
 
-    def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None, packing=None):
-        if s == 1 and COMPILED_DECODE and (cp_step is None or cp_step.decode):  # not a one-token CP prefill
+    def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None, packing=None, compiled=False):
+        """``compiled``: a one-token step may run the compiled blocks (the model's ``_CompileGate``)."""
+        if s == 1 and compiled and (cp_step is None or cp_step.decode):  # not a one-token CP prefill
             out = self._decode(x, b, cos, sin, attention_mask, cache, cp_step)
             if out is not None:
                 return out
@@ -1501,6 +1529,9 @@ class Qwen3_5ForCausalLM(nn.Cell):
         # of other prompt lengths reuse the graph instead of compiling their own (~1-3 s each)
         whole_step = self.segments_decode and self.cp_plan.cp == 1 and COMPILED_DECODE
         self.static_cache_multiple = STATIC_CACHE_MULTIPLE if whole_step else 1
+        # decode steps of a batch size with a dynamic cache before they run compiled (_CompileGate)
+        self.decode_compile_after = DYNAMIC_COMPILE_AFTER
+        self._compile_gate = _CompileGate()
         self.kv_heads = {layer.mixer.num_kv_heads for layer in self.layers if layer.is_attention}
         self.norm = Tensor(weights.norm_scale(shard.final_norm)[None])
         self.eps = _scalar(cfg.rms_norm_eps, weights.acc)
@@ -1569,14 +1600,16 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 position_ids = position_ids[:, cp_step.start : cp_step.stop]
                 s = cp_step.stop - cp_step.start
         packing = TokenPacking.of(cache, s) if cp_step is None else None
-        if s == 1 and COMPILED_DECODE and cp_step is None and packing is None:
+        compiled = s == 1 and COMPILED_DECODE
+        compiled = compiled and self._compile_gate.allows(b, cache.is_static, self.decode_compile_after)
+        if compiled and cp_step is None and packing is None:
             logits = self._segmented_decode(input_ids, position_ids, attention_mask, cache)
             if logits is not None:
                 return {"logits": logits.reshape(b, 1, -1)}
         x = self._embed(input_ids if packing is None else packing.pack(input_ids.reshape(-1, 1)))
         cos, sin = self._rotary(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer.construct(x, b, s, cos, sin, attention_mask, cache, cp_step, packing)
+            x = layer.construct(x, b, s, cos, sin, attention_mask, cache, cp_step, packing, compiled)
         if packing is not None:
             x = packing.unpack(x)
         kept = s
@@ -1585,7 +1618,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         elif logits_to_keep and logits_to_keep < s:
             kept = logits_to_keep
             x = x.reshape(b, s, -1)[:, -kept:].reshape(b * kept, -1)
-        if s == 1 and kept == 1 and COMPILED_DECODE:  # (a prefill's last row is a view: a new graph key)
+        if kept == 1 and compiled:  # (a prefill's last row is a view: a new graph key)
             logits = _compiled(("head",), _head_kernel)(x, self.eps, self.norm, *self.lm_head)
         else:
             logits = _head_rows(x, self.eps, self.norm, self.lm_head)
