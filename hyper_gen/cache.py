@@ -184,10 +184,10 @@ def static_length(positions: int, multiple: int) -> int:
     return rounded if rounded <= MAX_STATIC_POSITIONS else positions
 
 
-def make_cache(implementation: str, ops, batch_size: int, max_length: int):
-    """The cache object ``cache_implementation`` names."""
+def make_cache(implementation: str, ops, batch_size: int, max_length: int, static_multiple: int = 1):
+    """The cache object ``cache_implementation`` names; a static one ``static_length`` long."""
     if implementation == "static":
-        return StaticCache(ops, batch_size, max_length)
+        return StaticCache(ops, batch_size, static_length(max_length, static_multiple))
     if implementation == "dynamic":
         return DynamicCache(ops, batch_size, max_length)
     raise ValueError(f"cache_implementation must be 'static' or 'dynamic', got {implementation!r}")

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .cache import KVCache, make_cache, static_length
+from .cache import KVCache, make_cache
 from .masks import decode_mask, full_sequence_mask, prefill_mask
 
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -291,13 +291,11 @@ class CacheObjectDriver(_Driver):
         ops, prompt, cfg = self.ops, self.prompt, self.config
         if not self.use_cache:
             return self._expand(self._full_recompute())
-        length = self.total_length
-        if cfg.cache_implementation == "static":
-            length = static_length(length, self.static_multiple)
-        self.cache = make_cache(cfg.cache_implementation, ops, prompt.batch_size, length)
+        cache = make_cache(cfg.cache_implementation, ops, prompt.batch_size, self.total_length, self.static_multiple)
+        self.cache = cache
         if prompt.padded:
-            self.cache.prompt_mask = ops.asarray(prompt.mask, self.dtype)
-        key_length = length if self.cache.is_static else prompt.width
+            cache.prompt_mask = ops.asarray(prompt.mask, self.dtype)
+        key_length = cache.max_length if cache.is_static else prompt.width
         ids, positions, mask = self._prefill_inputs(key_length)
         output = self._call(
             ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, logits_to_keep=1
@@ -305,7 +303,7 @@ class CacheObjectDriver(_Driver):
         self.cache.advance(prompt.width)
         self.cache.prompt_mask = None
         logits = self._expand(_logits(output))
-        self._allocate_decode_mask(whole=self.cache.is_static, columns=length)
+        self._allocate_decode_mask(whole=cache.is_static, columns=cache.max_length)
         return logits
 
     def _repeat_cache(self, rows):
