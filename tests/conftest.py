@@ -3,6 +3,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# kernel plans timed by the suite (kernels="auto") live in one folder per run, shared with the
+# torchrun / msrun / CLI subprocesses the tests start, never in the user's cache
+if "HYPER_GEN_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["HYPER_GEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="hyper_gen-test-cache-")
+
 import pytest
 from backend_harness import HARNESSES
 

@@ -26,9 +26,9 @@ from hyper_gen.masks import prefill_mask
 
 
 def run_cp(args):
+    from hyper_gen.host import describe_host
     from hyper_gen.models.loading import load_model
 
-    from .host import describe_host
     from .models import SHAPES, join_with_checkpoint
 
     ops, rank, world, threads, path = join_with_checkpoint(args, "cp")

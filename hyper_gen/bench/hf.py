@@ -6,8 +6,7 @@ import time
 
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
-
-from .host import describe_host
+from hyper_gen.host import describe_host
 
 
 # ---- HF generate vs hyper_gen on the same HF model -----------------------------------------

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .host import describe_host
+from hyper_gen.host import describe_host
 
 
 @dataclass

@@ -139,9 +139,8 @@ def run_rollout(args):
     from torch.distributed.fsdp import fully_shard
 
     from hyper_gen import generate
+    from hyper_gen.host import describe_host
     from hyper_gen.parallel.launcher import init_distributed, shutdown_distributed
-
-    from .host import describe_host
 
     if not init_distributed("torch", timeout_s=args.timeout):
         raise SystemExit("hyper-gen bench rollout: launch it with torchrun --nproc_per_node 2")

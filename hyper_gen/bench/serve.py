@@ -28,9 +28,9 @@ from hyper_gen.config import GenerationConfig
 from hyper_gen.demo import demo_model_path
 from hyper_gen.demo.task import prompt_for
 from hyper_gen.generation import generate
+from hyper_gen.host import describe_host
 
 from .arguments import positive, positive_list
-from .host import describe_host
 
 READY = re.compile(r"hyper-gen serve: http://([^:/\s]+):(\d+)/v1 ")
 

@@ -17,8 +17,7 @@ import numpy as np
 
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
-
-from .host import describe_host
+from hyper_gen.host import describe_host
 
 
 def run_tp(args):

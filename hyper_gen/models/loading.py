@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Optional
 
-from hyper_gen import registry
+from hyper_gen import kernel_plan, registry
 from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
 from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_strategy, check_ulysses_heads
 from hyper_gen.parallel.tp_plan import TPPlan
@@ -41,6 +41,7 @@ def load_model(
     tp: int = 1,
     cp: int = 1,
     cp_strategy: str = "allgather",
+    kernels=None,
 ):
     """Load a checkpoint folder as a native ``backend`` model in ``dtype``.
 
@@ -66,12 +67,18 @@ def load_model(
     K|V; ``"ulysses"`` (torch only) runs two all-to-alls, each rank attending over the whole
     sequence for ``1/cp`` of the heads (attention and KV heads per tp rank divisible by ``cp``).
     Both give the same tokens; the cache and decode are the same.
+
+    ``kernels``: which kernel each projection runs through (``hyper_gen.kernel_plan``): "auto"
+    (default, or ``$HYPER_GEN_KERNELS``) times each shape once per host and caches the choice on
+    disk, so every process on the host runs the same kernels; "plain" runs the framework's plain
+    products; a ``.json`` path pins a plan recorded with ``model.kernel_plan.save(path)``.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an int >= 1, got {tp!r}")
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be an int >= 1, got {cp!r}")
     check_strategy(cp_strategy)
+    kernels = kernel_plan.check_spec(kernels)
     registry.check_name(backend)
     if cp_strategy == "ulysses" and backend == "mindspore":
         raise ValueError(
@@ -90,15 +97,15 @@ def load_model(
     checkpoint = Checkpoint(path)
     family = family_for(checkpoint)
     config = family.config_from_checkpoint(checkpoint)
-    kernels = importlib.import_module(f"{adapter.models.__name__}.{family.NAME}")
+    port = importlib.import_module(f"{adapter.models.__name__}.{family.NAME}")
     if cp_strategy == "ulysses":
         _check_ulysses(tp, cp, family, config)
     if cp > 1:
         plan, cp_plan = _join_mesh_job(adapter, tp, cp, family, config, cp_strategy)
-        model = kernels.load(checkpoint, dtype, device=device, plan=plan, group=None, cp_plan=cp_plan)
+        model = port.load(checkpoint, dtype, device=device, plan=plan, group=None, cp_plan=cp_plan, kernels=kernels)
     else:
         plan = _join_tp_job(adapter, tp, family, config) if tp > 1 else None
-        model = kernels.load(checkpoint, dtype, device=device, plan=plan, group=None)
+        model = port.load(checkpoint, dtype, device=device, plan=plan, group=None, kernels=kernels)
     model.generation_defaults = generation_defaults(checkpoint)
     return model
 

@@ -1729,7 +1729,13 @@ def _causal_mask(seq: int, past: int, total: int, dtype) -> Tensor:
 
 
 def load(
-    checkpoint, dtype: str = "float32", device=None, plan: TPPlan = None, group=None, cp_plan: CPPlan = None
+    checkpoint,
+    dtype: str = "float32",
+    device=None,
+    plan: TPPlan = None,
+    group=None,
+    cp_plan: CPPlan = None,
+    kernels=None,
 ) -> Qwen3_5ForCausalLM:
     """A Qwen3.5 model from a ``hyper_gen.models.checkpoint.Checkpoint``, weights in ``dtype``.
 

@@ -1038,6 +1038,7 @@ def load(
     plan: Optional[TPPlan] = None,
     group=None,
     cp_plan: Optional[CPPlan] = None,
+    kernels=None,
 ) -> Qwen3_5ForCausalLM:
     """Build the model from an opened checkpoint (``hyper_gen.models.checkpoint.Checkpoint``).
 

@@ -1,6 +1,6 @@
-"""The host a benchmark ran on, printed with every result: the same command gives different ratios
-on different CPUs (AVX-512 vs AVX2 only, MKL's preferred weight layouts), so a number without its
-host is not a claim."""
+"""The host: what a timed kernel choice is keyed by (``kernel_plan``) and what every benchmark
+prints with its result. The same command gives different ratios on different CPUs (AVX-512 vs AVX2
+only, MKL's preferred weight layouts), so a number without its host is not a claim."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import platform
 _ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "fma", "neon", "sve")
 
 
-def _cpu_model_and_flags():
+def cpu_model_and_flags():
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -28,7 +28,7 @@ def _cpu_model_and_flags():
 
 def describe_host(threads=None) -> str:
     """One line: CPU model, the ISA extensions that decide kernel speed, cores, and the threads used."""
-    model, isa = _cpu_model_and_flags()
+    model, isa = cpu_model_and_flags()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     line = f"host: {model}; ISA {'+'.join(isa) or 'unknown'}; {cores} cores available"
     if threads is not None:
