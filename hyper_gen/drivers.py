@@ -21,6 +21,7 @@ import numpy as np
 
 from .cache import KVCache, make_cache
 from .masks import decode_mask, full_sequence_mask, prefill_mask
+from .positions import cumsum_positions
 
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
@@ -64,7 +65,8 @@ def _forward_of(model):
     return model
 
 
-def _logits(output) -> Any:
+def logits_of(output) -> Any:
+    """The logits of a forward's output (a mapping or an object with ``.logits``)."""
     if isinstance(output, dict):
         if "logits" not in output:
             raise ValueError(f"model output must contain 'logits', got keys {sorted(output)}")
@@ -74,7 +76,8 @@ def _logits(output) -> Any:
     raise TypeError(f"model must return a mapping with 'logits' (RFC contract), got {type(output).__name__}")
 
 
-def _past(output) -> Any:
+def past_of(output) -> Any:
+    """The past a forward returned (RFC contract), or None."""
     if isinstance(output, dict):
         return output.get("past_key_values")
     return getattr(output, "past_key_values", None)
@@ -85,11 +88,6 @@ def is_hf_model(model) -> bool:
     return any(
         cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(model).__mro__
     )
-
-
-def _cumsum_positions(mask: np.ndarray) -> np.ndarray:
-    """Padding 0, real tokens 0, 1, 2, ... (HF: cumsum - 1, padding filled with 0)."""
-    return np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)
 
 
 class _Driver:
@@ -215,7 +213,7 @@ class _Driver:
         """use_cache=False (or no cache argument): the model sees the whole sequence again."""
         return self._call_full(
             self.ops.asarray(self.host_ids, "int64"),
-            self._device(_cumsum_positions(self.host_mask), "int64", "position_ids"),
+            self._device(cumsum_positions(self.host_mask), "int64", "position_ids"),
             self._device(full_sequence_mask(self.host_mask, self.dtype), self.dtype, "attention_mask"),
         )
 
@@ -238,19 +236,19 @@ class ReturnedCacheDriver(_Driver):
         self.use_cache = self.config.use_cache and self.signature.accepts("past_key_values")
 
     def _call_full(self, ids, positions, mask):
-        return _logits(self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=None))
+        return logits_of(self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=None))
 
     def prefill(self):
         prompt = self.prompt
         ids, positions, mask = self._prefill_inputs(prompt.width)
         output = self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=None)
         if self.use_cache:
-            past = _past(output)
+            past = past_of(output)
             if past is None:
                 self.use_cache = False  # the model keeps no cache: recompute, as HF does
             else:
                 self.cache.update(past)
-        logits = self._expand(_logits(output))
+        logits = self._expand(logits_of(output))
         if self.use_cache and prompt.padded:
             self._allocate_decode_mask(whole=False)
         return logits
@@ -264,8 +262,8 @@ class ReturnedCacheDriver(_Driver):
         output = self._call(
             tokens_device, position_ids=positions, attention_mask=mask, past_key_values=self.cache.past_key_values
         )
-        self.cache.update(_past(output))
-        return _logits(output)
+        self.cache.update(past_of(output))
+        return logits_of(output)
 
 
 class CacheObjectDriver(_Driver):
@@ -283,7 +281,7 @@ class CacheObjectDriver(_Driver):
         cache = make_cache("dynamic", self.ops, self.host_ids.shape[0], self.host_ids.shape[1])
         if self.prompt.padded:
             cache.prompt_mask = self.ops.asarray(self.host_mask, self.dtype)
-        return _logits(
+        return logits_of(
             self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, logits_to_keep=1)
         )
 
@@ -302,7 +300,7 @@ class CacheObjectDriver(_Driver):
         )
         self.cache.advance(prompt.width)
         self.cache.prompt_mask = None
-        logits = self._expand(_logits(output))
+        logits = self._expand(logits_of(output))
         self._allocate_decode_mask(whole=cache.is_static, columns=cache.max_length)
         return logits
 
@@ -320,7 +318,7 @@ class CacheObjectDriver(_Driver):
             tokens_device, position_ids=positions, attention_mask=mask, past_key_values=self.cache, logits_to_keep=1
         )
         self.cache.advance(1)
-        return _logits(output)
+        return logits_of(output)
 
 
 class HFDriver(_Driver):
@@ -358,10 +356,10 @@ class HFDriver(_Driver):
             kwargs["attention_mask"] = self.ops.asarray(self.host_mask, "int64") if self.prompt.padded else None
         if positions is not None:
             kwargs["position_ids"] = positions
-        return _logits(self.model(input_ids=ids, **kwargs))
+        return logits_of(self.model(input_ids=ids, **kwargs))
 
     def _full_recompute(self):
-        positions = self._device(_cumsum_positions(self.host_mask), "int64", "position_ids")
+        positions = self._device(cumsum_positions(self.host_mask), "int64", "position_ids")
         return self._forward(self.ops.asarray(self.host_ids, "int64"), positions)
 
     def prefill(self):

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .positions import cumsum_positions
 from .registry import to_host
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -42,7 +43,7 @@ class PromptBatch:
 
     def position_ids(self) -> np.ndarray:
         """Padding 0, real tokens 0, 1, 2, ... (HF: cumsum - 1, padding filled with 0)."""
-        return np.where(self.mask == 1, np.cumsum(self.mask, axis=1) - 1, 0).astype(np.int64)
+        return cumsum_positions(self.mask)
 
     def real_tokens(self, row: int) -> np.ndarray:
         return self.ids[row, self.width - int(self.lengths[row]) :]

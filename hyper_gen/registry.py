@@ -23,6 +23,17 @@ loader to build a native model, the CLI and the launchers to join a job). An ada
   will call the model, so it computes with the caller's settings (torch's intra-op thread count is
   per thread: a new thread's default team was measured 2.7x slower on 2 cores).
 
+and, for the benchmarks (which ask the adapter for a capability, never compare backend names):
+
+- ``intra_op_threads() -> int | None``: the threads its CPU kernels compute with, where it reports them;
+- ``bind_local_rank_cores() -> str | None``: bind this rank's threads to its share of the host's
+  cores where its runtime needs that (busy helper threads), saying what it did; None: nothing to do;
+- ``fixed_logits_model(logits)``: a model of the framework whose forward only returns ``logits``
+  (the generate loop's own cost, ``bench loop``).
+
+The torch adapter also offers ``cpu_products(x, w)``, the float32 CPU products its kernels run
+(``bench models`` times the host's anchors with torch).
+
 Adapters are imported on first use, and :func:`backend_for` only asks adapters whose framework is
 already imported, so ``import hyper_gen`` never imports torch or mindspore. A new backend is one
 entry in ``BACKENDS`` plus its package.

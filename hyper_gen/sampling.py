@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import processors
 from .config import GenerationConfig
 from .noise import sample_candidates
 
@@ -45,19 +46,10 @@ class TokenSelector:
         self.row_offset = row_offset  # this batch's first global row (data-parallel ranks): seeded noise key
         self.keep_scores = bool(config.output_scores or config.output_logprobs)
         self.last_scores = None
-        eos_in_vocab = [e for e in config.eos_token_ids if e < vocab_size]
-        self._eos_mask = None
-        if config.min_new_tokens > 0 and eos_in_vocab:
-            eos_mask = np.zeros((1, vocab_size), dtype=bool)
-            eos_mask[0, eos_in_vocab] = True
-            self._eos_mask = ops.asarray(eos_mask, "bool")
+        self._eos_mask = processors.token_mask(ops, config.eos_token_ids, vocab_size) if config.min_new_tokens else None
         self._seen = None
         if config.repetition_penalty != 1.0:
-            seen = np.zeros((batch, vocab_size), dtype=bool)
-            for row in range(batch):
-                tokens = prompt.real_tokens(row)
-                seen[row, tokens[tokens < vocab_size]] = True
-            self._seen = ops.asarray(seen, "bool")
+            self._seen = processors.seen_tokens(ops, (prompt.real_tokens(row) for row in range(batch)), vocab_size)
             self._true_column = ops.asarray(np.ones((batch, 1), dtype=bool), "bool")
         self._keep_top = None  # the seeded path warps on the device too when scores / logprobs are kept
         if config.do_sample and config.top_p < 1.0:
@@ -68,18 +60,15 @@ class TokenSelector:
     def observe(self, tokens) -> None:
         """Record the tokens just appended (B, 1) device int64, for the repetition penalty."""
         if self._seen is not None:
-            in_vocab = self.ops.where(tokens < self.vocab_size, tokens, 0)
-            self._seen = self.ops.scatter(self._seen, in_vocab, self._true_column, axis=-1)
+            self._seen = processors.mark_seen(self.ops, self._seen, tokens, self.vocab_size, self._true_column)
 
     def process(self, scores, step: int, input_ids_view=None):
         """Processors every strategy applies: repetition penalty, min_new_tokens, the user's."""
         ops, cfg = self.ops, self.config
         if self._seen is not None:
-            penalty = cfg.repetition_penalty
-            penalized = ops.where(scores < 0, scores * penalty, scores / penalty)
-            scores = ops.where(self._seen, penalized, scores)
+            scores = processors.repetition_penalty(ops, scores, self._seen, cfg.repetition_penalty)
         if self._eos_mask is not None and step < cfg.min_new_tokens:
-            scores = ops.where(self._eos_mask, NEG_INF, scores)
+            scores = processors.masked(ops, scores, self._eos_mask)
         for index, processor in enumerate(cfg.logits_processor or ()):
             scores = self._checked(processor(input_ids_view, scores), index, processor)
         return scores
@@ -100,39 +89,12 @@ class TokenSelector:
             )
         return scores
 
-    @staticmethod
-    def _row_sums(scores):
-        """(B,) device: each row's sum, NaN when the row holds a NaN. ``Tensor.sum(axis)`` means the same
-        on torch and MindSpore (like the operators the core uses); on MindSpore CPU it costs a third
-        of a ones-vector matmul or of ``max`` (which ignores NaN there)."""
-        return scores.sum(-1)
-
     def _check_finite(self, scores, sums, step: int, active: Optional[np.ndarray]) -> None:
-        """Raise for the running rows whose scores hold NaN or +inf, or are all -inf.
-
-        A row's sum is finite unless the row holds NaN (sum NaN), +inf (+inf, or NaN beside -inf)
-        or -inf (-inf: some or all of it). Only then is the row max fetched (a second reduction,
-        on those steps alone) to tell all -inf from some -inf and +inf from a finite overflow."""
-        row_sum = self.ops.to_numpy(sums).reshape(-1).astype(np.float64)
-        suspect = ~np.isfinite(row_sum)
-        if active is not None:
-            suspect &= active
-        if not suspect.any():
+        """Raise for the running rows whose scores hold NaN or +inf, or are all -inf."""
+        bad = processors.unusable_rows(self.ops, scores, sums, active)
+        if not bad:
             return
-        row_max = self.ops.to_numpy(self.ops.max(scores, axis=-1)).reshape(-1).astype(np.float64)
-        bad = suspect & (np.isnan(row_sum) | (row_sum == row_max))  # NaN; +inf with a +inf; all -inf
-        if not bad.any():
-            return
-        kinds = []
-        for row in np.flatnonzero(bad):
-            kind = (
-                "hold +inf"
-                if row_max[row] == np.inf
-                else "are all -inf"
-                if row_max[row] == -np.inf and not np.isnan(row_sum[row])
-                else "hold NaN"
-            )
-            kinds.append(f"row {int(row)}'s scores {kind}")
+        kinds = [f"row {row}'s scores {kind}" for row, kind in bad]
         raise ValueError(
             f"generate() step {step}: {', '.join(kinds)} after the logits processors, so no token can be chosen "
             "(a running row whose scores contain NaN or +inf, or are all -inf, is an error on every backend); "
@@ -182,7 +144,7 @@ class TokenSelector:
         warpers when sampling (on the device, also on the seeded path, whose draw warps on the host)."""
         cfg = self.config
         scores = self.process(scores, step, input_ids_view)
-        sums = self._row_sums(scores)
+        sums = processors.row_sums(scores)
         if cfg.do_sample:
             # before the draw: the framework's multinomial raises (torch) or picks silently (MindSpore) on
             # NaN, and the host sampler would warn

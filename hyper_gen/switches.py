@@ -1,7 +1,7 @@
 """The ``HYPER_GEN_*`` environment switches of the backends' speed paths, read one way.
 
-A switch set to something it cannot mean (``HYPER_GEN_TORCH_BLOCKED_GEMM=yes``,
-``HYPER_GEN_TORCH_PACKED_GEMM_MB=lots``) is a ``ValueError`` naming the variable and the value,
+A switch set to something it cannot mean (``HYPER_GEN_MINDSPORE_JIT=yes``,
+``HYPER_GEN_TORCH_ONEDNN_GEMM_MB=lots``) is a ``ValueError`` naming the variable and the value,
 raised when a model is loaded (each backend's ``check_switches``), before any work: read lazily
 inside a forward it became a traceback mid-generation, and a lenient reading ("anything but 0 is
 on") silently ignored a typo. No framework is imported here.

@@ -31,3 +31,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cli(capfd, monkeypatch):
+    """``cli(args, stdin=None, env=None)``: the ``hyper-gen`` CLI run in this process (tests/cli_runner.py)."""
+    from cli_runner import InProcessCLI
+
+    return InProcessCLI(capfd, monkeypatch)

@@ -1,7 +1,9 @@
-"""The real CLI as a subprocess: generate (both backends), resumable JSONL jobs, errors, distributed chat."""
+"""The CLI: generate (both backends), errors, chat, in this process (tests/cli_runner.py); as real processes
+where the boundary is the point: the console script, a job killed halfway and resumed, distributed chat."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,12 +23,12 @@ def run_cli(args, stdin=None, timeout=180):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
-def test_generate_prompts_on_demo_model(backend):
+def test_generate_prompts_on_demo_model(backend, cli):
     prompts = make_prompts(4, seed=7)
     args = ["generate", "--backend", backend, "--max-new-tokens", "12"]
     for prompt, _ in prompts:
         args += ["--prompt", prompt]
-    result = run_cli(args)
+    result = cli(args)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert len(lines) == len(prompts)
@@ -34,9 +36,9 @@ def test_generate_prompts_on_demo_model(backend):
         assert line.startswith(prompt) and is_correct(prompt, line[len(prompt) :])
 
 
-def test_stream_and_sampling_flags():
+def test_stream_and_sampling_flags(cli):
     prompt, _ = make_prompts(1, seed=3)[0]
-    result = run_cli(
+    result = cli(
         [
             "generate",
             "--prompt",
@@ -68,16 +70,35 @@ def test_stream_and_sampling_flags():
         (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     ],
 )
-def test_errors_are_one_line_exit_2(args, message):
-    result = run_cli(args, timeout=120)
+def test_errors_are_one_line_exit_2(args, message, cli):
+    result = cli(args)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_missing_tokenizer_exit_2(tmp_path):
+def test_missing_tokenizer_exit_2(tmp_path, cli):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
-    result = run_cli(["generate", "--prompt", "x", "--model", str(tmp_path)], timeout=120)
+    result = cli(["generate", "--prompt", "x", "--model", str(tmp_path)])
     assert result.returncode == 2 and "no tokenizer" in result.stderr
+
+
+def test_the_console_script_exits_2_with_one_line():
+    """The installed ``hyper-gen`` script, a real process: its exit status and stderr, not main's return value."""
+    script = shutil.which("hyper-gen")
+    assert script, "the hyper-gen console script is not installed (pip install -e .)"
+    result = subprocess.run(
+        [script, "generate", "--prompt", "x", "--top-p", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=REPO,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hyper-gen: error: ") and "top_p must be in (0, 1]" in lines[0]
+    version = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60, env=_env(), cwd=REPO)
+    assert version.returncode == 0 and version.stdout.startswith("hyper-gen ")
 
 
 def _write_prompts(path, n):
@@ -118,9 +139,9 @@ def test_jsonl_killed_halfway_then_resumed(tmp_path):
     assert f"{inp}:8: skipped malformed line" in result.stderr  # the line without an id
 
 
-def test_chat_single_process_keeps_conversation():
+def test_chat_single_process_keeps_conversation(cli):
     (p1, _), (p2, _) = make_prompts(2, seed=5)
-    result = run_cli(["chat", "--max-new-tokens", "12"], stdin=f"{p1}\n{p2}\nexit\n")
+    result = cli(["chat", "--max-new-tokens", "12"], stdin=f"{p1}\n{p2}\nexit\n")
     assert result.returncode == 0, result.stderr[-2000:]
     replies = [part.split("User:")[0].strip() for part in result.stdout.split("Assistant:")[1:]]
     assert len(replies) == 2 and is_correct(p1, " " + replies[0]) and is_correct(p2, " " + replies[1])

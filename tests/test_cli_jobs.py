@@ -1,4 +1,5 @@
-"""Resumable JSONL jobs that no input breaks: the real CLI as a subprocess on the bundled demo model.
+"""Resumable JSONL jobs that no input breaks: the CLI on the bundled demo model, in this process
+(tests/cli_runner.py), and as a real process where Ctrl-C (a signal) is the point.
 
 Bad rows become error records, undecodable lines are skipped, paths that cannot work are refused
 before the model loads, a corrupt output file is named with its line, and the job ends with one
@@ -17,9 +18,9 @@ import pytest
 from demo_task import DEMO_MODEL_DIR, is_correct, make_prompts
 from launch import REPO, _env, torchrun
 
-from hyper_gen.cli import batch_jobs
-from hyper_gen.cli.common import load_tokenizer
 from hyper_gen.config import GenerationConfig
+from hyper_gen.jobs import jsonl as batch_jobs
+from hyper_gen.jobs.tokenizer import load_tokenizer
 
 CLI = [sys.executable, "-m", "hyper_gen"]
 SUMMARY = re.compile(
@@ -65,7 +66,7 @@ def good_rows(n, seed):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
-def test_bad_rows_become_error_records_and_the_job_goes_on(tmp_path, backend):
+def test_bad_rows_become_error_records_and_the_job_goes_on(tmp_path, backend, cli):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = good_rows(4, seed=21)
     rows = [json.dumps({"id": key, "prompt": prompt}) for key, prompt in good.items()]
@@ -86,9 +87,9 @@ def test_bad_rows_become_error_records_and_the_job_goes_on(tmp_path, backend):
         *rows[1:],
     ]
     write_lines(inp, lines)
-    result = run_cli(job_args(inp, out, "--backend", backend, "--batch-size", "3"))
+    result = cli(job_args(inp, out, "--backend", backend, "--batch-size", "3"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
     records = {json.dumps(r["id"]): r for r in read_jsonl(out)}  # completion order: matched by id
     assert len(records) == len(good) + len(bad)
     for number, (row_id, says) in bad.items():
@@ -103,7 +104,7 @@ def test_bad_rows_become_error_records_and_the_job_goes_on(tmp_path, backend):
     assert (rows_, generated, errors, done, path) == (9, 4, 5, 0, str(out)) and tokens > 0
 
     before = out.read_bytes()
-    again = run_cli(job_args(inp, out, "--backend", backend))  # error records count as done: no retry loop
+    again = cli(job_args(inp, out, "--backend", backend))  # error records count as done: no retry loop
     assert again.returncode == 0, again.stderr[-3000:]
     assert out.read_bytes() == before
     assert summary(again.stderr)[:5] == (9, 0, 0, 9, 0)
@@ -133,12 +134,12 @@ def test_a_batch_generate_rejects_is_retried_row_by_row(tmp_path, monkeypatch):
     assert len(calls) == 1 + len(prompts)  # the batch, then each of its rows alone
 
 
-def test_invalid_utf8_line_is_skipped_with_its_line_number(tmp_path):
+def test_invalid_utf8_line_is_skipped_with_its_line_number(tmp_path, cli):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = good_rows(3, seed=22)
     rows = [json.dumps({"id": key, "prompt": prompt}) for key, prompt in good.items()]
     write_lines(inp, [rows[0], b'{"id": "latin1", "prompt": "rev 1\xe92 ="}', rows[1], b"\xff\xfe\x00", *rows[2:]])
-    result = run_cli(job_args(inp, out))
+    result = cli(job_args(inp, out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert f"{inp}:2: skipped malformed line (not UTF-8: byte 0xe9" in result.stderr
@@ -163,7 +164,7 @@ def _no_model(tmp_path):
 
 
 @pytest.mark.parametrize("spelling", ["same", "dotted", "symlink", "hardlink"])
-def test_same_input_and_output_is_refused(tmp_path, spelling):
+def test_same_input_and_output_is_refused(tmp_path, spelling, cli):
     inp = tmp_path / "in.jsonl"
     write_lines(inp, [json.dumps({"id": key, "prompt": p}) for key, p in good_rows(2, seed=23).items()])
     (tmp_path / "sub").mkdir()
@@ -175,13 +176,13 @@ def test_same_input_and_output_is_refused(tmp_path, spelling):
     elif spelling == "hardlink":
         os.link(inp, out)
     before = inp.read_bytes()
-    message = _refused(run_cli(job_args(inp, out, *_no_model(tmp_path)), timeout=120), out)
+    message = _refused(cli(job_args(inp, out, *_no_model(tmp_path))), out)
     assert "same file" in message
     assert inp.read_bytes() == before
 
 
 @pytest.mark.parametrize("case", ["missing dir", "under a file", "a directory", "read-only dir"])
-def test_unwritable_output_is_refused_before_the_model_loads(tmp_path, case):
+def test_unwritable_output_is_refused_before_the_model_loads(tmp_path, case, cli):
     inp = tmp_path / "in.jsonl"
     write_lines(inp, [json.dumps({"id": 0, "prompt": "rev 12 ="})])
     if case == "missing dir":
@@ -197,7 +198,7 @@ def test_unwritable_output_is_refused_before_the_model_loads(tmp_path, case):
     else:
         (tmp_path / "ro").mkdir(mode=0o500)
         out, says = tmp_path / "ro" / "out.jsonl", "cannot be written"
-    message = _refused(run_cli(job_args(inp, out, *_no_model(tmp_path)), timeout=120), out)
+    message = _refused(cli(job_args(inp, out, *_no_model(tmp_path))), out)
     assert says in message
 
 
@@ -206,7 +207,7 @@ def test_unwritable_output_is_refused_before_the_model_loads(tmp_path, case):
     [b'{"id": "a", "compl', b"\xff\xfe not utf-8", b"[1, 2]"],
     ids=["cut-json", "not-utf8", "not-an-object"],
 )
-def test_corrupt_line_inside_the_output_is_named(tmp_path, corrupt):
+def test_corrupt_line_inside_the_output_is_named(tmp_path, corrupt, cli):
     """Only a partial LAST line (a kill mid-write) is cut off by itself (tests/test_cli.py)."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = good_rows(3, seed=24)
@@ -214,13 +215,13 @@ def test_corrupt_line_inside_the_output_is_named(tmp_path, corrupt):
     done = [json.dumps({"id": key, "completion": " x"}) for key in list(good)[:2]]
     write_lines(out, [done[0], corrupt, done[1]])
     before = out.read_bytes()
-    message = _refused(run_cli(job_args(inp, out, *_no_model(tmp_path)), timeout=120), f"{out}:2:")
+    message = _refused(cli(job_args(inp, out, *_no_model(tmp_path))), f"{out}:2:")
     assert "corrupt line" in message and "delete line 2" in message
     assert out.read_bytes() == before
 
 
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
-def test_ctrl_c_exits_130_with_one_line_and_the_rerun_resumes(tmp_path, backend):
+def test_ctrl_c_exits_130_with_one_line_and_the_rerun_resumes(tmp_path, backend, cli):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = good_rows(60, seed=25)
     write_lines(inp, [json.dumps({"id": key, "prompt": p}) for key, p in good.items()])
@@ -245,7 +246,7 @@ def test_ctrl_c_exits_130_with_one_line_and_the_rerun_resumes(tmp_path, backend)
     written = len(out.read_bytes().splitlines())
     assert 3 <= int(match.group(1)) <= written <= int(match.group(1)) + 1 < 60, (lines[0], written)
     if backend == "torch":  # resuming after a kill is tests/test_cli.py's; here: after Ctrl-C
-        result = run_cli(args)
+        result = cli(args)  # the Ctrl-C needed a process; the rerun does not
         assert result.returncode == 0, result.stderr[-3000:]
         rows = read_jsonl(out)
         assert sorted(r["id"] for r in rows) == sorted(good)

@@ -1,5 +1,8 @@
 """The CLI as a new user meets it: --version, defaults in --help, vLLM-style temperature, one-line
-errors for what they type, quiet framework logs, a chat that survives blank and overlong lines."""
+errors for what they type, quiet framework logs, a chat that survives blank and overlong lines.
+
+Run in this process (tests/cli_runner.py) except where the process is the point: MindSpore reads its
+log level when it is first imported, and Ctrl-C is a signal."""
 
 import json
 import os
@@ -32,35 +35,35 @@ def _one_line_error(result, *needles):
         assert needle in lines[0], lines[0]
 
 
-def test_version():
-    result = run_cli(["--version"], timeout=60)
+def test_version(cli):
+    result = cli(["--version"])
     assert result.returncode == 0 and result.stdout.strip() == f"hyper-gen {__version__}"
 
 
-def test_help_shows_defaults():
-    result = run_cli(["generate", "--help"], timeout=60)
+def test_help_shows_defaults(cli):
+    result = cli(["generate", "--help"])
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     for shown in ("(default: 64)", "(default: torch)", "(default: 8)", "0 = greedy"):
         assert shown in text, shown
 
 
-def test_temperature_zero_is_greedy_and_equals_the_default():
-    greedy = run_cli(["generate", "--prompt", "rev 4711 =", "--max-new-tokens", "12"])
-    zero = run_cli(["generate", "--prompt", "rev 4711 =", "--max-new-tokens", "12", "--temperature", "0"])
+def test_temperature_zero_is_greedy_and_equals_the_default(cli):
+    greedy = cli(["generate", "--prompt", "rev 4711 =", "--max-new-tokens", "12"])
+    zero = cli(["generate", "--prompt", "rev 4711 =", "--max-new-tokens", "12", "--temperature", "0"])
     assert greedy.returncode == 0 and zero.returncode == 0, zero.stderr[-2000:]
     assert zero.stdout == greedy.stdout and is_correct("rev 4711 =", greedy.stdout.strip()[len("rev 4711 =") :])
 
 
-def test_a_sampling_flag_implies_sampling():
+def test_a_sampling_flag_implies_sampling(cli):
     """--temperature 5 without --do-sample samples (flattened distribution: some answer changes)."""
     prompts = [f"rev {n} =" for n in (12345, 90817, 55501, 7310, 246802)]
     args = ["generate", "--max-new-tokens", "12", "--seed", "3"]
     for prompt in prompts:
         args += ["--prompt", prompt]
-    greedy = run_cli(args)
-    hot = run_cli(args + ["--temperature", "5"])
-    explicit = run_cli(args + ["--temperature", "5", "--do-sample"])
+    greedy = cli(args)
+    hot = cli(args + ["--temperature", "5"])
+    explicit = cli(args + ["--temperature", "5", "--do-sample"])
     assert greedy.returncode == hot.returncode == explicit.returncode == 0, hot.stderr[-2000:]
     assert hot.stdout != greedy.stdout  # sampled, not silently greedy
     assert hot.stdout == explicit.stdout  # the same as asking for sampling explicitly
@@ -83,25 +86,25 @@ def test_a_sampling_flag_implies_sampling():
         (["bench", "serve", "--concurrency", "1,0"], ["--concurrency", "'1,0'"]),
     ],
 )
-def test_bad_flags_are_one_line_errors(args, needles):
-    _one_line_error(run_cli(args, timeout=120), *needles)
+def test_bad_flags_are_one_line_errors(args, needles, cli):
+    _one_line_error(cli(args), *needles)
 
 
-def test_missing_tokenizer_config_is_named(tmp_path):
+def test_missing_tokenizer_config_is_named(tmp_path, cli):
     model = tmp_path / "model"
     shutil.copytree(DEMO_MODEL_DIR, model)
     os.remove(model / "tokenizer_config.json")
-    _one_line_error(run_cli(["generate", "--prompt", "x", "--model", str(model)], timeout=120), "tokenizer_config.json")
+    _one_line_error(cli(["generate", "--prompt", "x", "--model", str(model)]), "tokenizer_config.json")
 
 
-def test_load_model_error_is_shown_not_a_tokenizer_traceback(tmp_path):
+def test_load_model_error_is_shown_not_a_tokenizer_traceback(tmp_path, cli):
     """The model loads before the tokenizer: a checkpoint problem is the one line the user sees."""
     model = tmp_path / "model"
     shutil.copytree(DEMO_MODEL_DIR, model)
     config = json.loads((model / "config.json").read_text())
     del config["vocab_size"]
     (model / "config.json").write_text(json.dumps(config))
-    _one_line_error(run_cli(["generate", "--prompt", "x", "--model", str(model)], timeout=120), "vocab_size")
+    _one_line_error(cli(["generate", "--prompt", "x", "--model", str(model)]), "vocab_size")
 
 
 def test_mindspore_is_quiet_by_default_and_verbose_on_request():
@@ -114,9 +117,9 @@ def test_mindspore_is_quiet_by_default_and_verbose_on_request():
     assert loud.returncode == 0 and loud.stdout.strip() == "rev 12 = 21"
 
 
-def test_chat_ignores_blank_lines_and_survives_an_overlong_one():
+def test_chat_ignores_blank_lines_and_survives_an_overlong_one(cli):
     long_line = "1" * 700  # the demo model's context is 512 tokens
-    result = run_cli(["chat", "--max-new-tokens", "12"], stdin=f"rev 12 =\n\n   \n{long_line}\nrev 34 =\nexit\n")
+    result = cli(["chat", "--max-new-tokens", "12"], stdin=f"rev 12 =\n\n   \n{long_line}\nrev 34 =\nexit\n")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "message too long" in result.stdout
     replies = [part.split("User:")[0].strip() for part in result.stdout.split("Assistant:")[1:]]

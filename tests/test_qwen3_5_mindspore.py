@@ -135,19 +135,18 @@ def test_left_padded_prefill_packs_the_real_tokens(path, monkeypatch, variant, d
 def test_a_head_streamed_from_memory_is_read_in_narrow_blocks_on_cpu():
     """The LM head is cut into blocks of up to 65536 columns, and of ~8K on CPU once it is larger
     than the last-level cache (a 1 GB head read faster so; docs/performance.md)."""
-    from hyper_gen.backends.mindspore.models import qwen3_5
+    from hyper_gen.backends.mindspore import matmul_widths
 
-    cache = qwen3_5._last_level_cache_bytes()
+    cache = matmul_widths.last_level_cache_bytes()
     assert cache >= 1 << 20
-    assert qwen3_5._head_block_columns(2 * cache, cache, "CPU") == qwen3_5._STREAMED_HEAD_COLUMNS == 8192
-    assert qwen3_5._head_block_columns(cache // 2, cache, "CPU") == qwen3_5._HEAD_COLUMNS
-    assert qwen3_5._head_block_columns(2 * cache, cache, "Ascend") == qwen3_5._HEAD_COLUMNS
-    assert qwen3_5._block_width(248320, 8192) == 8128  # 31 blocks: 64 x an odd number of columns each
+    assert matmul_widths.streamed_columns(2 * cache, cache) == matmul_widths.STREAMED_HEAD_COLUMNS == 8192
+    assert matmul_widths.streamed_columns(cache // 2, cache) == matmul_widths.HEAD_COLUMNS
+    assert native._block_width(248320, 8192) == 8128  # 31 blocks: 64 x an odd number of columns each
 
 
-def test_fast_width_keeps_the_faster_of_two_widths(monkeypatch):
+def test_faster_keeps_the_faster_of_two_widths():
     """A fused projection is stored at its width or at the padded candidate (64 times an odd
-    number, wider), whichever a timed MatMul finds at least 20% faster; once per shape and dtype."""
+    number, wider), whichever a timed MatMul finds at least 20% faster."""
     from hyper_gen.backends.mindspore import matmul_widths
 
     assert [matmul_widths.candidate(w) for w in (3072, 2064, 5120, 7168, 1280, 3136)] == [
@@ -158,7 +157,6 @@ def test_fast_width_keeps_the_faster_of_two_widths(monkeypatch):
         1344,
         3264,
     ]
-    monkeypatch.setattr(matmul_widths, "_CHOSEN", {})
     calls = []
 
     def timer(seconds):
@@ -168,16 +166,15 @@ def test_fast_width_keeps_the_faster_of_two_widths(monkeypatch):
 
         return timed
 
-    assert matmul_widths.fast_width(512, 3072, "f32", timer({3072: 1.0, 3136: 0.5})) == 3136
-    assert matmul_widths.fast_width(512, 3072, "f32", timer({})) == 3136  # chosen once: not timed again
-    assert matmul_widths.fast_width(512, 2064, "f32", timer({2064: 1.0, 2112: 0.9})) == 2064  # within the margin
+    assert matmul_widths.faster(512, 3072, "f32", timer({3072: 1.0, 3136: 0.5})) == 3136
+    assert matmul_widths.faster(512, 2064, "f32", timer({2064: 1.0, 2112: 0.9})) == 2064  # within the margin
     assert calls == [(128, 512, 3136), (128, 512, 3072), (128, 512, 2112), (128, 512, 2064)]
     # the real timer runs MindSpore's MatMul
     assert 0 < matmul_widths._seconds(8, 16, 64, mindspore.float32) < 1
 
 
 @pytest.mark.parametrize("variant, dtype", [("dense", "float64"), ("moe", "float32")])
-def test_padded_projection_widths_change_no_result(path, monkeypatch, variant, dtype):
+def test_padded_projection_widths_change_no_result(path, monkeypatch, tmp_path, variant, dtype):
     """Every fused projection stored at its padded width (the attention q|k|v|gate, the Gated
     DeltaNet in_proj, the dense MLP's up|gate with zero rows in down) gives the tokens and logits of
     the checkpoint's widths, in PyNative prefill and the compiled decode steps, static and dynamic
@@ -202,13 +199,10 @@ def test_padded_projection_widths_change_no_result(path, monkeypatch, variant, d
             )
         ]
 
-    monkeypatch.setenv("HYPER_GEN_MINDSPORE_PAD_WIDTHS", "0")
-    plain = load_model(path(variant), backend="mindspore", dtype=dtype)
-    monkeypatch.setenv("HYPER_GEN_MINDSPORE_PAD_WIDTHS", "1")
-    monkeypatch.setattr(
-        matmul_widths, "fast_width", lambda inner, width, dtype, timer=None: matmul_widths.candidate(width)
-    )
-    padded = load_model(path(variant), backend="mindspore", dtype=dtype)
+    plain = load_model(path(variant), backend="mindspore", dtype=dtype, kernels="plain")
+    monkeypatch.setenv("HYPER_GEN_CACHE_DIR", str(tmp_path))  # a host plan of its own, timed as below
+    monkeypatch.setattr(matmul_widths, "faster", lambda inner, width, dtype, timer=None: matmul_widths.candidate(width))
+    padded = load_model(path(variant), backend="mindspore", dtype=dtype, kernels="auto")
     for a, b in zip(plain.layers, padded.layers):
         weights = ("qkv_t",) if a.is_attention else ("in_proj_t",)
         for name in weights:

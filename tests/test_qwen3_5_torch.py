@@ -131,7 +131,7 @@ def test_left_padded_prefill_packs_the_real_tokens(models, monkeypatch, variant,
 
 def test_batched_recurrent_step_is_the_elementwise_step():
     """The float32 decode step through bmm computes HF's elementwise step (to 1e-12 in float64 inputs)."""
-    from hyper_gen.backends.torch.models.qwen3_5 import recurrent_gated_delta_step, recurrent_gated_delta_step_bmm
+    from hyper_gen.backends.torch.gated_deltanet import recurrent_gated_delta_step, recurrent_gated_delta_step_bmm
 
     generator = torch.Generator().manual_seed(0)
     b, h, dk, dv = 3, 4, 16, 8

@@ -110,7 +110,7 @@ def expected(backend, prompts, max_tokens, seed=None):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from hyper_gen.cli.common import load_tokenizer
+    from hyper_gen.jobs.tokenizer import load_tokenizer
 
     return load_tokenizer(DEMO_MODEL_DIR)
 
@@ -220,7 +220,7 @@ def test_seeds_repeat_and_match_seeded_generate(served):
     b = client.completions.create(**ask)
     assert a.choices[0].text == b.choices[0].text
     want = expected(backend, [ref["ids"][2]], 8, seed=1234)[0]
-    from hyper_gen.cli.common import load_tokenizer
+    from hyper_gen.jobs.tokenizer import load_tokenizer
 
     assert a.choices[0].text == load_tokenizer(DEMO_MODEL_DIR).decode(want, skip_special_tokens=True)
     two = client.completions.create(**ask, n=2)

@@ -69,7 +69,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from hyper_gen.cli.common import load_tokenizer
+    from hyper_gen.jobs.tokenizer import load_tokenizer
 
     return load_tokenizer(DEMO_MODEL_DIR)
 

@@ -151,6 +151,6 @@ def test_non_streaming_clients_that_leave_free_their_slots(server):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from hyper_gen.cli.common import load_tokenizer
+    from hyper_gen.jobs.tokenizer import load_tokenizer
 
     return load_tokenizer(DEMO_MODEL_DIR)

@@ -48,11 +48,11 @@ def test_a_bad_budget_is_named(monkeypatch, value):
 @pytest.mark.parametrize(
     "backend, name, value",
     [
-        ("torch", "HYPER_GEN_TORCH_PACKED_GEMM_MB", "x"),  # was a traceback from inside the first forward
+        ("torch", "HYPER_GEN_TORCH_ONEDNN_GEMM_MB", "x"),  # was a traceback from inside the first forward
         ("torch", "HYPER_GEN_TORCH_ONEDNN_GEMM_MB", "-5"),
-        ("torch", "HYPER_GEN_TORCH_BLOCKED_GEMM", "yes"),
+        ("torch", "HYPER_GEN_KERNELS", "fast"),
         ("mindspore", "HYPER_GEN_MINDSPORE_JIT", "off"),  # was read as "on"
-        ("mindspore", "HYPER_GEN_MINDSPORE_PAD_WIDTHS", "no"),  # was read as "on"
+        ("mindspore", "HYPER_GEN_KERNELS", "fast"),
     ],
 )
 def test_a_bad_switch_is_one_line_at_the_cli_before_any_work(backend, name, value):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .arguments import OneLineParser, backend_list, non_negative, positive
+from .arguments import OneLineParser, backend_list, kernels_spec, non_negative, positive
 
 
 def main(argv=None):
@@ -60,6 +60,9 @@ def main(argv=None):
     models.add_argument("--new-tokens", type=positive, default=16)
     models.add_argument("--repeats", type=positive, default=2)
     models.add_argument("--threads", type=non_negative, default=0)
+    models.add_argument(
+        "--kernels", type=kernels_spec, default=None, help="auto, plain or a kernel plan .json (default: auto)"
+    )
     models.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
     tp = sub.add_parser("tp", help="TP=2 vs TP=1 under torchrun / msrun")
     tp.add_argument("--backend", default="torch", choices=["torch", "mindspore"])

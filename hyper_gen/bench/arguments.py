@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hyper_gen import kernel_plan
+
 
 def positive(text: str) -> int:
     """An argparse type: an integer >= 1 (a count, a size, a length)."""
@@ -38,6 +40,14 @@ def backend_list(text: str) -> str:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"must be a comma-separated list of {', '.join(BACKENDS)}, got {text!r}")
     return ",".join(names)
+
+
+def kernels_spec(text: str) -> str:
+    """An argparse type: a ``load_model(kernels=...)`` spec ("auto", "plain" or a plan .json)."""
+    try:
+        return kernel_plan.check_spec(text)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def positive_list(text: str) -> tuple:

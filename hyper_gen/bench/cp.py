@@ -19,23 +19,22 @@ import time
 
 import numpy as np
 
+from hyper_gen import registry
 from hyper_gen.cache import make_cache
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
+from hyper_gen.host import describe_host
 from hyper_gen.masks import prefill_mask
+from hyper_gen.models.loading import load_model
+
+from .models import SHAPES, join_with_checkpoint
 
 
 def run_cp(args):
-    from hyper_gen.host import describe_host
-    from hyper_gen.models.loading import load_model
-
-    from .models import SHAPES, join_with_checkpoint
-
     ops, rank, world, threads, path = join_with_checkpoint(args, "cp")
-    if args.backend == "mindspore":  # else each rank's busy runtime threads share every core with the others'
-        from hyper_gen.backends.mindspore.ops import bind_local_rank_cores
-
-        threads = bind_local_rank_cores()
+    # a backend whose runtime threads spin (MindSpore) binds each local rank to its own cores, else
+    # they share every core with the other ranks'; None: nothing to bind
+    threads = registry.adapter(args.backend).bind_local_rank_cores() or threads
     ids = np.random.default_rng(0).integers(3, SHAPES[args.shape]["vocab_size"], (args.batch, args.prompt_len))
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_id=None)
     results, outputs = {}, {}

@@ -7,6 +7,8 @@ from collections import Counter
 
 import numpy as np
 
+import hyper_gen.generation as generation_module
+from hyper_gen import registry
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
 from hyper_gen.host import describe_host
@@ -35,45 +37,8 @@ class _CountingOps:
 
 def _null_model(framework: str, batch: int, vocab: int):
     """A cache-object model whose forward only returns fixed random logits: all time is the loop's."""
-    rng = np.random.default_rng(0)
-    logits = rng.normal(0, 3, (batch, 1, vocab)).astype(np.float32)
-    if framework == "torch":
-        import torch
-
-        class NullTorch(torch.nn.Module):
-            supports_cache_object = True
-
-            def __init__(self):
-                super().__init__()
-                self.logits = torch.nn.Parameter(torch.from_numpy(logits), requires_grad=False)
-                self.forward_seconds = 0.0
-
-            def forward(
-                self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0
-            ):
-                start = time.perf_counter()
-                out = {"logits": self.logits}
-                self.forward_seconds += time.perf_counter() - start
-                return out
-
-        return NullTorch()
-    import mindspore as ms
-
-    class NullMindSpore(ms.nn.Cell):
-        supports_cache_object = True
-
-        def __init__(self):
-            super().__init__()
-            self.logits = ms.Parameter(ms.Tensor(logits), requires_grad=False)
-            self.forward_seconds = 0.0
-
-        def construct(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
-            start = time.perf_counter()
-            out = {"logits": self.logits}
-            self.forward_seconds += time.perf_counter() - start
-            return out
-
-    return NullMindSpore()
+    logits = np.random.default_rng(0).normal(0, 3, (batch, 1, vocab)).astype(np.float32)
+    return registry.adapter(framework).fixed_logits_model(logits)
 
 
 LOOP_SETTINGS = {
@@ -85,8 +50,6 @@ LOOP_SETTINGS = {
 
 def loop_overhead(framework: str, setting: str, batch: int = 4, vocab: int = 32000, steps: int = 64):
     """(ms per step outside the forward, ops per decode step by name)."""
-    from hyper_gen import registry
-
     model = _null_model(framework, batch, vocab)
     cfg = GenerationConfig(max_new_tokens=steps, eos_token_id=None, **LOOP_SETTINGS[setting])
     prompt = np.arange(1, 9)[None, :].repeat(batch, 0)
@@ -97,8 +60,6 @@ def loop_overhead(framework: str, setting: str, batch: int = 4, vocab: int = 320
     def counting_backend_for(*objects):
         counted["ops"] = _CountingOps(real_backend_for(*objects))
         return counted["ops"]
-
-    import hyper_gen.generation as generation_module
 
     generation_module.backend_for = counting_backend_for
     try:

@@ -18,9 +18,12 @@ import time
 
 import numpy as np
 
+from hyper_gen import registry
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
 from hyper_gen.host import describe_host
+from hyper_gen.models.loading import load_model
+from hyper_gen.parallel.launcher import host_ops, init_distributed
 
 SHAPES = {
     # hidden 512, 8 layers, vocab 32k
@@ -63,7 +66,7 @@ def make_checkpoint(shape: str, cache_dir: str) -> str:
         os.path.join(path, "model.safetensors.index.json")
     ):
         return path
-    import torch
+    import torch  # the HF anchor's frameworks, here: `import hyper_gen.bench` imports none
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
@@ -78,9 +81,6 @@ def join_with_checkpoint(args, bench: str):
     """For a multi-rank bench: join the launcher's job, one thread per rank (they share the host's
     cores), and the random checkpoint of ``args.shape``, written once by rank 0 and read by all.
     Returns (host ops, rank, world size, what the thread limit did, checkpoint path)."""
-    from hyper_gen import registry
-    from hyper_gen.parallel.launcher import host_ops, init_distributed
-
     if not init_distributed(args.backend):
         raise SystemExit(f"hyper-gen bench {bench}: launch it with torchrun --nproc_per_node 2 or msrun --worker_num=2")
     ops = host_ops(args.backend)
@@ -94,18 +94,12 @@ def join_with_checkpoint(args, bench: str):
 
 def _kernels(rows: int, inner: int, out: int):
     """The float32 CPU products torch can run for (rows, inner) @ (inner, out) on this host: MKL's
-    ``x @ w`` and, where the build has it, oneDNN's packed product (``onednn_gemm``)."""
-    import torch
-
-    from hyper_gen.backends.torch import onednn_gemm
+    ``x @ w`` and, where the build has it, oneDNN's packed product (the torch adapter's ``cpu_products``)."""
+    import torch  # the anchors' framework, here: `import hyper_gen.bench` imports none
 
     x = torch.randn(rows, inner)
     w = torch.randn(inner, out)
-    kernels = [lambda: x @ w]
-    if onednn_gemm.available():
-        packed = onednn_gemm.pack(w.t())
-        kernels.append(lambda: onednn_gemm.packed_product(x, packed))
-    return kernels
+    return registry.adapter("torch").cpu_products(x, w)
 
 
 def _best_rate(kernels, units: float, seconds: float) -> float:
@@ -167,14 +161,12 @@ def _seconds(fn) -> float:
 
 
 def run_models(args):
-    import torch
+    import torch  # the HF anchor's frameworks, here: `import hyper_gen.bench` imports none
     import transformers
 
     transformers.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from hyper_gen.models.loading import load_model
-
     path = make_checkpoint(args.shape, args.cache_dir)
     bandwidth = matvec_bandwidth()
     flops = gemm_flops(args.batch)
@@ -182,7 +174,7 @@ def run_models(args):
     ids, mask = prompt_batch(args.batch, args.prompt_len, shortest, SHAPES[args.shape]["vocab_size"])
     padded = bool((mask == 0).any())
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_id=None)
-    rows = []
+    rows, plans = [], []
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     bytes_per_step = weight_bytes(hf)
@@ -204,7 +196,8 @@ def run_models(args):
     rows.append(("HF generate (torch)",) + _timed_generate(hf_run, args.new_tokens, args.repeats))
     del hf, hf_run  # free the HF weights before loading ours
     for backend in [b.strip() for b in args.backends.split(",")]:
-        model = load_model(path, backend=backend, dtype="float32")
+        model = load_model(path, backend=backend, dtype="float32", kernels=args.kernels)
+        plans.append(model.kernel_plan)
         rows.append(
             (f"hyper_gen {backend}",)
             + _timed_generate(
@@ -241,7 +234,5 @@ def run_models(args):
             f"{rate / roofline:9.0%}{decode / floor:9.0%}"
         )
     print("vs HF: end-to-end; roofline: decode steps/s over the roofline; compute: decode tok/s over the floor")
-    if "torch" in args.backends:
-        from hyper_gen.backends.torch.projection import describe_choices
-
-        print(f"torch projections chosen at load on this host: {describe_choices()}")
+    for plan in plans:
+        print(plan)

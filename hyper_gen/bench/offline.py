@@ -6,7 +6,7 @@ lengths are; EOS off so every row runs to its own limit), in two shapes: uniform
 log-normal in 4..128 (median 32, a long tail: what EOS gives rollouts and chat). The best
 in-flight can do is the ratio of the longest row of a micro-batch to the mean row, less the
 job's tail (its last rows run in a half-empty batch) and the extra prefill calls. Both runs go through the real job code
-(``hyper_gen.cli.batch_jobs.run_jsonl``, fsync per result included) with the same batch size:
+(``hyper_gen.jobs.jsonl.run_jsonl``, fsync per result included) with the same batch size:
 
 - fixed: micro-batches sorted by prompt length, each run until its longest row is done (a row
   that is done keeps its slot, padding, until then);
@@ -27,14 +27,20 @@ import contextlib
 import io
 import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from hyper_gen import registry
+from hyper_gen.config import GenerationConfig
+from hyper_gen.demo import demo_model_path
+from hyper_gen.demo.task import make_prompts
 from hyper_gen.host import describe_host
+from hyper_gen.jobs import jsonl
+from hyper_gen.jobs.tokenizer import load_tokenizer
+from hyper_gen.models.loading import load_model
 
 
 @dataclass
@@ -85,8 +91,6 @@ def output_lengths(rows: int, spread: str, tokens=(4, 64), seed: int = 0) -> np.
 
 def mixed_job(path: str, rows: int, seed: int = 0, tokens=(4, 64), spread: str = "uniform") -> None:
     """``rows`` demo prompts with per-row max_tokens (see :func:`output_lengths`), independent of the prompt."""
-    from hyper_gen.demo.task import make_prompts
-
     limits = output_lengths(rows, spread, tokens, seed)
     with open(path, "w", encoding="utf-8") as f:
         for i, ((prompt, _), limit) in enumerate(zip(make_prompts(rows, seed=seed), limits)):
@@ -94,9 +98,9 @@ def mixed_job(path: str, rows: int, seed: int = 0, tokens=(4, 64), spread: str =
 
 
 def _threads(backend: str):
-    """torch's intra-op threads when torch ran the job (MindSpore's CPU kernels report none)."""
-    torch = sys.modules.get("torch")
-    return torch.get_num_threads() if torch is not None and backend != "mindspore" else None
+    """The threads the backend's CPU kernels ran the job with, where it reports them (torch's intra-op
+    threads; MindSpore's CPU kernels report none)."""
+    return registry.adapter(backend).intra_op_threads()
 
 
 def run_offline_comparison(
@@ -113,17 +117,11 @@ def run_offline_comparison(
 ) -> OfflineComparison:
     """Time both batchings on the mixed job (``model_path`` / ``model``: a checkpoint folder, default
     the demo model); returns the comparison (``str()`` is the printed table)."""
-    import hyper_gen.cli.batch_jobs as batch_jobs
-    from hyper_gen.cli.common import load_tokenizer
-    from hyper_gen.config import GenerationConfig
-    from hyper_gen.demo import demo_model_path
-    from hyper_gen.models.loading import load_model
-
     path = model_path or model or demo_model_path()
     loaded = load_model(path, backend=backend)
     tokenizer = load_tokenizer(path)
     config = GenerationConfig(max_new_tokens=int(lengths[1]), eos_token_id=None, pad_token_id=0)
-    context = batch_jobs.context_length(loaded, tokenizer, path)
+    context = jsonl.context_length(loaded, tokenizer, path)
     seconds, outputs = {"fixed": [], "inflight": []}, {}
     with tempfile.TemporaryDirectory() as tmp:
         job_file = os.path.join(tmp, "in.jsonl")
@@ -133,10 +131,10 @@ def run_offline_comparison(
                 out = os.path.join(tmp, f"{batching}.jsonl")
                 if os.path.exists(out):
                     os.remove(out)
-                job = batch_jobs.open_job(job_file, out)
+                job = jsonl.open_job(job_file, out)
                 start = time.perf_counter()
                 with contextlib.redirect_stderr(io.StringIO()):  # the job's progress bar and summary line
-                    batch_jobs.run_jsonl(loaded, tokenizer, config, job, batch_size, context=context, batching=batching)
+                    jsonl.run_jsonl(loaded, tokenizer, config, job, batch_size, context=context, batching=batching)
                 if round_:
                     seconds[batching].append(time.perf_counter() - start)
                 with open(out, encoding="utf-8") as f:

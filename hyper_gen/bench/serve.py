@@ -29,7 +29,10 @@ from hyper_gen.demo import demo_model_path
 from hyper_gen.demo.task import prompt_for
 from hyper_gen.generation import generate
 from hyper_gen.host import describe_host
+from hyper_gen.jobs.tokenizer import load_tokenizer
+from hyper_gen.models.loading import load_model
 
+from . import offline
 from .arguments import positive, positive_list
 
 READY = re.compile(r"hyper-gen serve: http://([^:/\s]+):(\d+)/v1 ")
@@ -38,7 +41,7 @@ READY = re.compile(r"hyper-gen serve: http://([^:/\s]+):(\d+)/v1 ")
 def host_line() -> str:
     """The host (CPU model, ISA extensions, cores) and this process's torch threads."""
     try:
-        import torch
+        import torch  # here: `import hyper_gen.bench` imports no framework
 
         threads = torch.get_num_threads()
     except ImportError:
@@ -181,17 +184,12 @@ def _row(name: str, rate: float, ttfts) -> str:
 
 
 def _offline(args) -> None:
-    from . import offline
-
     run = offline.run_offline_comparison
     for spread, lengths in offline.JOBS:
         print(run(args.model, backend=args.backend, spread=spread, lengths=lengths))
 
 
 def run_serve_bench(args) -> None:
-    from hyper_gen.cli.common import load_tokenizer
-    from hyper_gen.models.loading import load_model
-
     levels = list(args.concurrency)
     prompts = _prompts(args.requests)
     print(host_line())

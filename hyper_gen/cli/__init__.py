@@ -1,5 +1,6 @@
 """The ``hyper-gen`` command line: ``main`` parses and dispatches to the subcommands
-(``generate``, ``chat``; ``bench`` lives in ``hyper_gen.bench``), which share ``common``.
+(``generate``, ``chat``, ``serve``; ``bench`` lives in ``hyper_gen.bench``), which share ``common``
+(flags, loading) and ``hyper_gen.jobs`` (user errors, the tokenizer, the JSONL runner).
 
 Importing it imports no framework: a backend is imported when a command picks one.
 """

@@ -16,6 +16,7 @@ import numpy as np
 
 from hyper_gen.generation import generate
 from hyper_gen.inputs import ModelLimits
+from hyper_gen.jobs.complete import host
 from hyper_gen.parallel.launcher import (
     broadcast_ints,
     broadcast_text_patiently,
@@ -25,7 +26,7 @@ from hyper_gen.parallel.launcher import (
 )
 from hyper_gen.streaming import TextStreamer
 
-from .common import generation_config, host, load_everything
+from .common import generation_config, load_everything
 
 EXIT_WORDS = ("exit", "quit")
 

@@ -1,5 +1,6 @@
-"""What the ``hyper-gen`` subcommands share: the user-error type, model and sampling flags, and
-loading a model with its tokenizer. Subcommands import this module; nothing here imports them.
+"""What the ``hyper-gen`` subcommands share: model and sampling flags, and loading a model with its
+tokenizer. Subcommands import this module; nothing here imports them. What the benchmarks and the
+server share with the CLI (user errors, the tokenizer, the JSONL runner) is in ``hyper_gen.jobs``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import re
 from hyper_gen import registry
 from hyper_gen.config import GenerationConfig
 from hyper_gen.demo import demo_model_path
-from hyper_gen.generation import generate
+from hyper_gen.jobs.errors import UsageError
+from hyper_gen.jobs.tokenizer import check_tokenizer_files, load_tokenizer
+from hyper_gen.models.loading import load_model
 from hyper_gen.parallel.launcher import (
     TIMEOUT_ENV,
     collective_timeout_s,
@@ -18,15 +21,6 @@ from hyper_gen.parallel.launcher import (
     init_distributed,
     launched_multi_rank,
 )
-from hyper_gen.registry import to_host
-
-
-class UsageError(Exception):
-    """A problem the user can fix; printed as one line, exit status 2."""
-
-
-class Interrupted(Exception):
-    """Ctrl-C: printed as one line (saying how to resume, where there is something to resume)."""
 
 
 def add_model_flags(parser):
@@ -108,32 +102,6 @@ def generation_config(args, defaults: dict) -> GenerationConfig:
         raise UsageError(str(exc)) from None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def check_tokenizer_files(path: str) -> None:
-    """The tokenizer files, checked before any weight is read (the tokenizer loads after the model)."""
-    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise UsageError(f"model path {path!r} has no tokenizer (tokenizer.json)")
-    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        raise UsageError(
-            f"model path {path!r} has no tokenizer_config.json: without it the special tokens, padding side "
-            "and chat template are unknown and the output would silently change"
-        )
-
-
-def load_tokenizer(path: str):
-    check_tokenizer_files(path)
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise UsageError(f"cannot load the tokenizer in {path!r}: {str(exc).splitlines()[0]}") from None
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
 def model_path(args) -> str:
     """The checkpoint folder the flags name, checked before anything is loaded."""
     path = args.model or demo_model_path()
@@ -167,8 +135,6 @@ def load_everything(args):
         raise UsageError(str(exc).replace("timeout_s", "--timeout", 1)) from None
     path = model_path(args)
     check_tokenizer_files(path)
-    from hyper_gen.models.loading import load_model
-
     if args.tp > 1 or cp > 1 or launched_multi_rank():
         init_distributed(args.backend, timeout_s=timeout_s)
     try:
@@ -194,29 +160,3 @@ def load_everything(args):
 def rank(backend: str) -> int:
     """This process's rank (0 outside a multi-rank job)."""
     return host_ops(backend).rank() if launched_multi_rank() else 0
-
-
-def host(tensor):
-    """A framework tensor (generate's output) as a numpy array."""
-    import numpy as np
-
-    return np.asarray(to_host(tensor))
-
-
-def completions(model, tokenizer, prompts, config, on_tokens=None):
-    """(completion texts, generated token counts, finish reasons) for a left-padded batch of prompts."""
-    batch = tokenizer(prompts, padding=True, return_tensors="np", add_special_tokens=False)
-    mask = batch["attention_mask"]
-    out = host(generate(model, batch["input_ids"], config, attention_mask=mask, on_tokens=on_tokens))
-    texts, counts, reasons = [], [], []
-    eos = set(config.eos_token_ids)
-    for row, length in enumerate(mask.sum(axis=1)):
-        generated = out[row, int(length) :].tolist()
-        ended = next((i for i, t in enumerate(generated) if t in eos), None)
-        generated = generated[: ended + 1] if ended is not None else generated
-        if ended is None:  # trailing pad ids only pad the output to the common width
-            generated = generated[: config.max_new_tokens]
-        texts.append(tokenizer.decode(generated, skip_special_tokens=True))
-        counts.append(len(generated))
-        reasons.append("eos" if ended is not None else "length")
-    return texts, counts, reasons

@@ -6,10 +6,12 @@ import os
 import sys
 
 from hyper_gen.generation import generate
+from hyper_gen.jobs.complete import completions
+from hyper_gen.jobs.errors import UsageError
+from hyper_gen.jobs.jsonl import context_length, open_job, run_jsonl
 from hyper_gen.streaming import TextStreamer
 
-from .batch_jobs import context_length, open_job, run_jsonl
-from .common import UsageError, completions, generation_config, load_everything, model_path, rank
+from .common import generation_config, load_everything, model_path, rank
 
 
 def run_generate(args) -> int:

@@ -13,10 +13,12 @@ import sys
 import threading
 
 from hyper_gen import __version__, registry
+from hyper_gen.bench import main as bench_main
+from hyper_gen.jobs.errors import Interrupted, UsageError
 from hyper_gen.parallel.launcher import launched_multi_rank, shutdown_distributed
 
 from .chat import run_chat
-from .common import Interrupted, UsageError, add_model_flags, add_sampling_flags
+from .common import add_model_flags, add_sampling_flags
 from .generate import run_generate
 from .serve import add_serve_flags, run_serve
 
@@ -76,8 +78,6 @@ def stop_cleanly_on_sigterm() -> bool:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        from hyper_gen.bench import main as bench_main
-
         bench_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)

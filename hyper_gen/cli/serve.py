@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from hyper_gen.engine import Engine
+from hyper_gen.jobs.errors import UsageError
 from hyper_gen.parallel.launcher import launched_multi_rank
 
-from .common import UsageError, add_model_flags, load_everything, rank
+from .common import add_model_flags, load_everything, rank
 
 DEMO_NAME = "hyper_gen-demo"
 
@@ -54,7 +56,7 @@ def _check_flags(args) -> None:
 
 
 def _bind(args):
-    from hyper_gen.server.launch import bind
+    from hyper_gen.server.launch import bind  # here: fastapi / uvicorn are optional (checked by _check_flags)
 
     try:
         return bind(args.host, args.port)
@@ -71,8 +73,7 @@ def run_serve(args) -> int:
         model, tokenizer, _ = load_everything(args)
         if sock is None and rank(args.backend) == 0:
             sock = _bind(args)
-        from hyper_gen.engine import Engine
-        from hyper_gen.server.launch import follow, serve
+        from hyper_gen.server.launch import follow, serve  # here: fastapi / uvicorn are optional
 
         try:
             engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)

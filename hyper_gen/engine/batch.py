@@ -29,8 +29,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..cache import DynamicCache
-from ..drivers import ForwardSignature
+from ..drivers import ForwardSignature, logits_of, past_of
 from ..masks import decode_mask, prefill_mask
+from ..positions import cumsum_positions
 
 _UNBOUNDED = 1 << 40  # the cache's own overflow check; the engine bounds every row by max_model_len
 
@@ -43,18 +44,6 @@ class PrefillGroup:
         self.valid = valid  # (J, S) bool
         self.lengths = lengths  # (J,) real prompt tokens
         self.logits = logits  # (J, V) device: the last prompt position's logits
-
-
-def _logits(output):
-    if isinstance(output, dict) and "logits" in output:
-        return output["logits"]
-    if hasattr(output, "logits"):
-        return output.logits
-    raise TypeError(f"the model must return a mapping with 'logits', got {type(output).__name__}")
-
-
-def _past(output):
-    return output.get("past_key_values") if isinstance(output, dict) else getattr(output, "past_key_values", None)
 
 
 # the per-layer stores of a _State, and whether their tensors have columns (axis 2)
@@ -132,7 +121,7 @@ class RaggedBatch:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = prompt
             valid[row, width - len(prompt) :] = True
-        positions = np.where(valid, np.cumsum(valid, axis=1) - 1, 0).astype(np.int64)
+        positions = cumsum_positions(valid.astype(np.int64))
         mask = ops.asarray(prefill_mask(valid.astype(np.int64), width, self.dtype), self.dtype)
         kwargs = dict(position_ids=ops.asarray(positions, "int64"), attention_mask=mask)
         if self.cache_object:
@@ -144,14 +133,14 @@ class RaggedBatch:
             state = _State.of_cache(cache)
         else:
             output = self._call(ops.asarray(ids, "int64"), past_key_values=None, **kwargs)
-            past = _past(output)
+            past = past_of(output)
             if past is None:
                 raise TypeError(
                     f"{type(self.model).__name__} returned no past_key_values: the engine needs a model that "
                     "keeps a cache (RFC contract: return {'logits', 'past_key_values'}, or a cache-object model)"
                 )
             state = _State.of_past(past, width)
-        logits = _logits(output)
+        logits = logits_of(output)
         return PrefillGroup(state, valid, valid.sum(axis=1), logits[:, -1])
 
     def decode(self):
@@ -175,10 +164,10 @@ class RaggedBatch:
         else:
             past = [(state.keys[i], state.values[i]) for i in sorted(state.keys)]
             output = self._call(ids, past_key_values=past, **kwargs)
-            self.state = _State.of_past(_past(output), width)
+            self.state = _State.of_past(past_of(output), width)
         self.valid = valid
         self.positions = self.positions + 1
-        return _logits(output)[:, -1]
+        return logits_of(output)[:, -1]
 
     # ---- row operations ----------------------------------------------------------------------
     def join(self, group: PrefillGroup, sources: np.ndarray, rows: List[Any], first_tokens: np.ndarray) -> None:

@@ -25,9 +25,8 @@ from typing import List, Optional
 
 import numpy as np
 
+from .. import processors
 from ..noise import sample_candidates
-
-NEG_INF = float("-inf")
 
 
 class _Warpers:
@@ -96,21 +95,14 @@ def select(ops, scores, choices, vocab_size: int, logprobs: bool = True) -> Sele
 
 def _non_finite_rows(ops, scores, choices, out: Selection) -> set:
     """Rows whose logits no token can be chosen from (NaN, +inf, all -inf): an error each."""
-    sums = ops.to_numpy(scores.sum(-1)).reshape(-1).astype(np.float64)
-    suspect = np.flatnonzero(~np.isfinite(sums))
-    if not suspect.size:
-        return set()
-    maxima = ops.to_numpy(ops.max(scores, axis=-1)).reshape(-1).astype(np.float64)
     bad = set()
-    for row in suspect:
-        if np.isnan(sums[row]) or sums[row] == maxima[row]:  # NaN; +inf; all -inf
-            kind = "hold NaN" if np.isnan(sums[row]) else "hold +inf" if maxima[row] > 0 else "are all -inf"
-            choice = choices[row]
-            out.errors[row] = ValueError(
-                f"request {choice.request.request_id!r} choice {choice.index}: the model's logits for token "
-                f"{choice.step} {kind}, so no token can be chosen (check the model: overflow in a low-precision dtype?)"
-            )
-            bad.add(int(row))
+    for row, kind in processors.unusable_rows(ops, scores):
+        choice = choices[row]
+        out.errors[row] = ValueError(
+            f"request {choice.request.request_id!r} choice {choice.index}: the model's logits for token "
+            f"{choice.step} {kind}, so no token can be chosen (check the model: overflow in a low-precision dtype?)"
+        )
+        bad.add(row)
     return bad
 
 
@@ -118,32 +110,21 @@ def _process(ops, row_scores, choice, vocab_size: int):
     """generate's processors for one row (1, V): repetition penalty, then the min_tokens mask."""
     params = choice.request.params
     if params.repetition_penalty != 1.0:
-        seen = _seen(ops, choice, vocab_size)
-        penalty = params.repetition_penalty
-        penalized = ops.where(row_scores < 0, row_scores * penalty, row_scores / penalty)
-        row_scores = ops.where(seen, penalized, row_scores)
+        if choice.seen is None:
+            choice.seen = processors.seen_tokens(ops, [choice.request.prompt + choice.token_ids], vocab_size)
+        row_scores = processors.repetition_penalty(ops, row_scores, choice.seen, params.repetition_penalty)
     if choice.step < params.min_tokens:
-        blocked = [t for t in choice.request.stop_ids if t < vocab_size]
-        if blocked:
-            mask = np.zeros((1, vocab_size), dtype=bool)
-            mask[0, blocked] = True
-            row_scores = ops.where(ops.asarray(mask, "bool"), NEG_INF, row_scores)
+        mask = processors.token_mask(ops, choice.request.stop_ids, vocab_size)
+        if mask is not None:
+            row_scores = processors.masked(ops, row_scores, mask)
     return row_scores
-
-
-def _seen(ops, choice, vocab_size: int):
-    if choice.seen is None:
-        seen = np.zeros((1, vocab_size), dtype=bool)
-        ids = np.asarray(choice.request.prompt + choice.token_ids, dtype=np.int64)
-        seen[0, ids[ids < vocab_size]] = True
-        choice.seen = ops.asarray(seen, "bool")
-    return choice.seen
 
 
 def _observe(ops, choice, token: int, vocab_size: int) -> None:
     if choice.seen is not None and token < vocab_size:
         index = ops.asarray(np.array([[token]], dtype=np.int64), "int64")
-        choice.seen = ops.scatter(choice.seen, index, ops.asarray(np.ones((1, 1), dtype=bool), "bool"), axis=-1)
+        true = ops.asarray(np.ones((1, 1), dtype=bool), "bool")
+        choice.seen = processors.mark_seen(ops, choice.seen, index, vocab_size, true)
 
 
 def _draw(ops, rows_scores, choices, top_k: int, vocab_size: int) -> List[int]:

@@ -3,7 +3,7 @@
 ``checkpoint`` reads HF folders (config, generation defaults, safetensors slices); each family
 package (``qwen3_5/``) describes its architecture framework-free (config, checkpoint names,
 tensor-parallel slices); ``loading.load_model`` picks the family by the checkpoint's architecture
-and the kernels by backend (``hyper_gen.backends.<framework>.models.<family>``).
+and the kernels by backend (the adapter's ``models.<family>``).
 
 A new family (Qwen3, Llama) is a package here with ``NAME``, ``ARCHITECTURES``,
 ``config_from_checkpoint`` and ``check_tp``, one ``models/<family>.py`` per backend, and its
@@ -17,12 +17,4 @@ from .qwen3_5.config import ARCHITECTURES as _QWEN3_5
 # HF architecture name -> family package under hyper_gen.models
 FAMILIES = {architecture: "qwen3_5" for architecture in _QWEN3_5}
 
-
-def load_model(*args, **kwargs):
-    """Load an HF checkpoint folder as a native model (see ``hyper_gen.models.loading.load_model``)."""
-    from .loading import load_model as _load_model
-
-    return _load_model(*args, **kwargs)
-
-
-__all__ = ["FAMILIES", "load_model"]
+__all__ = ["FAMILIES"]

@@ -13,6 +13,7 @@ import importlib
 from typing import Optional
 
 from hyper_gen import kernel_plan, registry
+from hyper_gen.models import FAMILIES
 from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
 from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_strategy, check_ulysses_heads
 from hyper_gen.parallel.tp_plan import TPPlan
@@ -22,8 +23,6 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 def family_for(checkpoint: Checkpoint):
     """The model-family description module (``hyper_gen.models.<family>``) for the checkpoint."""
-    from hyper_gen.models import FAMILIES
-
     family = FAMILIES.get(checkpoint.architecture)
     if family is None:
         raise ValueError(
@@ -80,18 +79,15 @@ def load_model(
     check_strategy(cp_strategy)
     kernels = kernel_plan.check_spec(kernels)
     registry.check_name(backend)
-    if cp_strategy == "ulysses" and backend == "mindspore":
-        raise ValueError(
-            "cp_strategy='ulysses' needs an all-to-all, which MindSpore's CPU collectives do not have (AllGather, "
-            "AllReduce and Broadcast only); use cp_strategy='allgather' on MindSpore"
-        )
+    adapter = registry.adapter(backend)
+    if cp_strategy not in adapter.CP_STRATEGIES:
+        raise ValueError(f"cp_strategy={cp_strategy!r} {adapter.CP_STRATEGIES_WHY}; use one of {adapter.CP_STRATEGIES}")
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a str, one of {DTYPES}, got {type(dtype).__name__} {dtype!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if device is not None and not isinstance(device, str):
         raise TypeError(f"device must be a str or None, got {type(device).__name__} {device!r}")
-    adapter = registry.adapter(backend)
     device = adapter.resolve_device(device, dtype, tp * cp)
 
     checkpoint = Checkpoint(path)

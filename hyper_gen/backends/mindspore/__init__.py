@@ -10,12 +10,20 @@ The adapter interface every backend provides is described in ``hyper_gen.registr
 from __future__ import annotations
 
 import contextlib
+import time
+from typing import Optional
 
 import mindspore as ms
+import numpy as np
 
-from .ops import MindSporeOps, ms_dtype
+from .ops import MindSporeOps, bind_local_rank_cores, ms_dtype
 
 NAME = "mindspore"
+# context-parallel prefill strategies load_model may use here: no all-to-all for Ulysses
+CP_STRATEGIES = ("allgather",)
+CP_STRATEGIES_WHY = (
+    "needs an all-to-all, which MindSpore's CPU collectives do not have (AllGather, AllReduce and Broadcast only)"
+)
 _CONFIGURED = False
 
 
@@ -49,8 +57,15 @@ def configure(device: str = None) -> str:
 configure()
 
 from . import models  # noqa: E402  (after configure: nothing may create a tensor first)
-from .launch import init_from_env as init_distributed  # noqa: E402
+from .launch import init_from_env  # noqa: E402
 from .launch import shutdown as shutdown_distributed  # noqa: E402
+
+
+def init_distributed(device: str = None, timeout_s: float = None) -> bool:
+    """Join the msrun job (``launch.init_from_env``) on this package's device: the device is chosen
+    here, communication in ``launch``."""
+    configure(device)
+    return init_from_env(timeout_s=timeout_s)
 
 
 def limit_threads(threads: int) -> str:
@@ -60,6 +75,33 @@ def limit_threads(threads: int) -> str:
 
 def launcher(ranks: int) -> str:
     return f"msrun --worker_num {ranks}"
+
+
+def intra_op_threads() -> Optional[int]:
+    """None: MindSpore's CPU kernels report no thread count to print with the host."""
+    return None
+
+
+def fixed_logits_model(logits: np.ndarray):
+    """A cache-object model whose forward only returns ``logits`` (batch, 1, vocab): everything
+    ``generate`` spends around it is the loop's own cost (``bench loop``); ``forward_seconds``
+    adds up the forwards' time."""
+
+    class FixedLogits(ms.nn.Cell):
+        supports_cache_object = True
+
+        def __init__(self):
+            super().__init__()
+            self.logits = ms.Parameter(ms.Tensor(logits), requires_grad=False)
+            self.forward_seconds = 0.0
+
+        def construct(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
+            start = time.perf_counter()
+            out = {"logits": self.logits}
+            self.forward_seconds += time.perf_counter() - start
+            return out
+
+    return FixedLogits()
 
 
 def resolve_device(device, dtype: str, tp: int = 1) -> str:
@@ -124,14 +166,19 @@ def host_ops() -> MindSporeOps:
 
 __all__ = [
     "NAME",
+    "CP_STRATEGIES",
+    "CP_STRATEGIES_WHY",
     "MindSporeOps",
+    "bind_local_rank_cores",
     "collective_forward",
     "find_parallelism",
     "parameters_unsharded",
     "configure",
     "default_device",
+    "fixed_logits_model",
     "host_ops",
     "init_distributed",
+    "intra_op_threads",
     "launcher",
     "limit_threads",
     "models",

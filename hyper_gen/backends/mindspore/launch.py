@@ -14,8 +14,6 @@ import os
 
 from hyper_gen.parallel.launcher import TIMEOUT_ENV, collective_timeout_s
 
-from . import configure
-
 CPU_TIMEOUT_ENV = "MS_CPU_COMM_OP_TIMEOUT"
 DEFAULT_CPU_TIMEOUT_S = 30  # MindSpore 2.10's CPU collectives, measured (it is not documented)
 
@@ -24,8 +22,9 @@ def launched_by_msrun() -> bool:
     return int(os.environ.get("MS_WORKER_NUM", "1")) > 1 and "MS_ROLE" in os.environ
 
 
-def init_from_env(device: str = None, timeout_s: float = None) -> bool:
-    """Join the msrun job described by the environment; False when not launched by msrun."""
+def init_from_env(timeout_s: float = None) -> bool:
+    """Join the msrun job described by the environment; False when not launched by msrun. The
+    device is already chosen: the package configures it (``init_distributed``) before this runs."""
     from mindspore.communication import GlobalComm, init
 
     if GlobalComm.INITED:
@@ -35,7 +34,6 @@ def init_from_env(device: str = None, timeout_s: float = None) -> bool:
     timeout = collective_timeout_s(timeout_s)
     if timeout is not None:
         os.environ[CPU_TIMEOUT_ENV] = str(max(1, math.ceil(timeout)))
-    configure(device)
     init()
     return True
 

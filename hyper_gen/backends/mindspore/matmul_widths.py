@@ -1,34 +1,40 @@
-"""The output width a MindSpore CPU projection is stored with, chosen by timing it on this host.
+"""The output width a MindSpore CPU projection is stored with, and the LM head's block columns,
+chosen once per host through the model's ``KernelPlan`` (``hyper_gen.kernel_plan``).
 
 MindSpore's CPU MatMul runs some output widths several times slower than one 64 columns wider:
 (M, 512) @ (512, 3072), (1024, 5120) and (1024, 7168), the fused MLP and attention projections
 of the bench's Qwen3.5 shapes, reach a third to a half of the rate of their +64 neighbours at
-prefill row counts (docs/performance.md), and which widths suffer depends on the host. So at
-load time each fused projection's width is timed against one zero-padded candidate and the
-faster kept; the model ignores the padding columns (and, for the MLP, multiplies them by zero
-rows of the down projection). Devices other than the CPU keep the checkpoint's widths.
-
-``HYPER_GEN_MINDSPORE_PAD_WIDTHS=0`` turns the choice off (every width as in the checkpoint).
+prefill row counts (docs/performance.md), and which widths suffer depends on the host. So a fused
+projection's width is timed against one zero-padded candidate and the faster kept; the model
+ignores the padding columns (and, for the MLP, multiplies them by zero rows of the down
+projection). A padded width sums its columns in another order, so the choice is the plan's:
+made once per host and shape (``kernels="auto"``), pinned (a plan file) or none (``"plain"``:
+the checkpoint's widths). Devices other than the CPU keep the checkpoint's widths.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Callable, Dict, Tuple
+from typing import Callable
 
 import numpy as np
-
-from hyper_gen import switches
 
 ROWS = 128  # rows of the timed product: a prefill's, where the slow widths cost the most
 MARGIN = 0.8  # the padded width is kept only if it takes at most this share of the time
 REPEATS = 3
+# Most LM head columns per matmul: one very wide matrix-vector product reads slower than a few
+# narrower ones on MindSpore CPU, and a head streamed from memory (larger than the last-level
+# cache) fastest in blocks of ~8K columns.
+HEAD_COLUMNS = 65536
+STREAMED_HEAD_COLUMNS = 8192
 
-_CHOSEN: Dict[Tuple[int, int, str], int] = {}
+_KERNEL = re.compile(r"(width|columns):([1-9][0-9]*)")
 
 
-def enabled() -> bool:
-    return switches.flag("HYPER_GEN_MINDSPORE_PAD_WIDTHS")
+def allowed(kernel: str) -> bool:
+    """A kernel name this module makes ("plain", "width:N", "columns:N")."""
+    return kernel == "plain" or _KERNEL.fullmatch(kernel) is not None
 
 
 def candidate(width: int) -> int:
@@ -57,14 +63,60 @@ def _seconds(rows: int, inner: int, width: int, dtype) -> float:
     return best
 
 
-def fast_width(inner: int, width: int, dtype, timer: Callable[[int, int, int, object], float] = None) -> int:
-    """``width`` or ``candidate(width)``, whichever (inner, width) projection runs faster here:
-    timed once per (inner, width, dtype) in a process. ``timer(rows, inner, width, dtype)`` returns
-    seconds (default: a MindSpore MatMul)."""
-    key = (inner, width, str(dtype))
-    if key not in _CHOSEN:
-        timer = timer or _seconds
-        wider = candidate(width)
-        faster = timer(ROWS, inner, wider, dtype) <= MARGIN * timer(ROWS, inner, width, dtype)
-        _CHOSEN[key] = wider if faster else width
-    return _CHOSEN[key]
+def faster(inner: int, width: int, dtype, timer: Callable[[int, int, int, object], float] = None) -> int:
+    """``width`` or ``candidate(width)``, whichever (inner, width) projection runs faster here
+    (the padded one by at least 1 - MARGIN). ``timer(rows, inner, width, dtype)`` returns seconds
+    (default: a MindSpore MatMul)."""
+    timer = timer or _seconds
+    wider = candidate(width)
+    return wider if timer(ROWS, inner, wider, dtype) <= MARGIN * timer(ROWS, inner, width, dtype) else width
+
+
+def _recorded(plan, key: str, kernel: str, kind: str, least: int) -> int:
+    match = _KERNEL.fullmatch(kernel)
+    if match is None or match.group(1) != kind or int(match.group(2)) < least:
+        raise ValueError(f"kernel plan {plan.path!r}: {key!r} -> {kernel!r} is not a {kind} of at least {least}")
+    return int(match.group(2))
+
+
+def projection_width(plan, inner: int, width: int, dtype_name: str, dtype) -> int:
+    """The width an (inner, width) fused projection is stored with under ``plan`` (the key it is
+    recorded under: ``matmul_key``)."""
+    key = matmul_key(inner, width, dtype_name)
+    kernel = plan.choose(key, lambda: f"width:{faster(inner, width, dtype)}")
+    return width if kernel == "plain" else _recorded(plan, key, kernel, "width", width)
+
+
+def matmul_key(inner: int, width: int, dtype_name: str) -> str:
+    return f"matmul {inner}x{width} {dtype_name}"
+
+
+def head_key(hidden: int, vocab: int, dtype_name: str) -> str:
+    return f"lm_head {hidden}x{vocab} {dtype_name}"
+
+
+def last_level_cache_bytes() -> int:
+    """This host's largest CPU cache (Linux sysfs), or 32 MiB where it cannot be read."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def streamed_columns(head_bytes: int, cache_bytes: int) -> int:
+    """Most columns per LM head block for a head of ``head_bytes`` on a CPU whose last-level cache
+    holds ``cache_bytes``: a head larger than it reads faster in narrow blocks."""
+    return STREAMED_HEAD_COLUMNS if head_bytes > cache_bytes else HEAD_COLUMNS
+
+
+def head_columns(plan, hidden: int, vocab: int, dtype_name: str, head_bytes: int) -> int:
+    """Most columns per LM head block under ``plan`` ("plain": HEAD_COLUMNS)."""
+    key = head_key(hidden, vocab, dtype_name)
+    kernel = plan.choose(key, lambda: f"columns:{streamed_columns(head_bytes, last_level_cache_bytes())}")
+    return HEAD_COLUMNS if kernel == "plain" else _recorded(plan, key, kernel, "columns", 1)

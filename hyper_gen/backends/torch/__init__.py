@@ -9,9 +9,13 @@ The adapter interface every backend provides is described in ``hyper_gen.registr
 
 from __future__ import annotations
 
+import time
+from typing import Callable, List, Optional
+
+import numpy as np
 import torch
 
-from . import models
+from . import kernels, models
 from .devices import default_device, distributed_backend, npu_available, rank_device
 from .launch import init_from_env as init_distributed
 from .launch import shutdown as shutdown_distributed
@@ -19,6 +23,8 @@ from .ops import TorchOps, torch_dtype
 from .sharding import collective_forward, find_parallelism, parameters_unsharded
 
 NAME = "torch"
+CP_STRATEGIES = ("allgather", "ulysses")  # gloo / NCCL / HCCL all have the all-to-all Ulysses needs
+CP_STRATEGIES_WHY = ""
 
 
 def limit_threads(threads: int) -> str:
@@ -35,6 +41,48 @@ def thread_initializer():
 
 def launcher(ranks: int) -> str:
     return f"torchrun --nproc_per_node {ranks}"
+
+
+def intra_op_threads() -> Optional[int]:
+    """The threads torch's CPU kernels compute with (benchmarks print them with the host)."""
+    return torch.get_num_threads()
+
+
+def bind_local_rank_cores() -> Optional[str]:
+    """None: ranks sharing a host need only ``limit_threads`` (torch has no busy runtime threads)."""
+    return None
+
+
+def cpu_products(x: torch.Tensor, w: torch.Tensor) -> List[Callable[[], torch.Tensor]]:
+    """The float32 CPU products this build can run for ``x @ w``: MKL's, and oneDNN's packed one
+    where the build has it (``bench models`` times the fastest as the host's rate)."""
+    products = [lambda: x @ w]
+    if kernels.onednn_available():
+        packed = kernels.pack(w.t())
+        products.append(lambda: kernels.packed_product(x, packed))
+    return products
+
+
+def fixed_logits_model(logits: np.ndarray):
+    """A cache-object model whose forward only returns ``logits`` (batch, 1, vocab): everything
+    ``generate`` spends around it is the loop's own cost (``bench loop``); ``forward_seconds``
+    adds up the forwards' time."""
+
+    class FixedLogits(torch.nn.Module):
+        supports_cache_object = True
+
+        def __init__(self):
+            super().__init__()
+            self.logits = torch.nn.Parameter(torch.from_numpy(logits), requires_grad=False)
+            self.forward_seconds = 0.0
+
+        def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
+            start = time.perf_counter()
+            out = {"logits": self.logits}
+            self.forward_seconds += time.perf_counter() - start
+            return out
+
+    return FixedLogits()
 
 
 def resolve_device(device, dtype: str, tp: int = 1):
@@ -73,14 +121,20 @@ def host_ops() -> TorchOps:
 
 __all__ = [
     "NAME",
+    "CP_STRATEGIES",
+    "CP_STRATEGIES_WHY",
     "TorchOps",
+    "bind_local_rank_cores",
     "collective_forward",
+    "cpu_products",
     "find_parallelism",
     "parameters_unsharded",
     "default_device",
     "distributed_backend",
+    "fixed_logits_model",
     "host_ops",
     "init_distributed",
+    "intra_op_threads",
     "launcher",
     "limit_threads",
     "models",

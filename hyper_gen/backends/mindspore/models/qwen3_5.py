@@ -9,8 +9,9 @@ Layout choices are for MindSpore on CPU (the measurements behind them: docs/perf
   (out, in) layout, and 2-D matmuls beat 3-D ones for one decode row;
 * projections that read the same input are concatenated into one matrix (q|k|v|gate, the DeltaNet
   qkv|z|b|a, the MLP gate|up, the MoE router|shared-expert gate): fewer, larger ops; on CPU each
-  of the first three is stored at the faster of its width and a zero-padded one, timed at load
-  (``hyper_gen.backends.mindspore.matmul_widths``: some widths run MindSpore's MatMul 2-3x slower);
+  of the first three is stored at the faster of its width and a zero-padded one, as the model's
+  kernel plan records (``hyper_gen.backends.mindspore.matmul_widths``: some widths run MindSpore's
+  MatMul 2-3x slower; timed once per host and shape);
 * every RMSNorm weight that feeds a projection is folded into that projection's rows at load time
   (``(1 + w)`` of the zero-centred norms, the gated norm's ``w`` into out_proj), so a norm is
   ``x / sqrt(mean(x^2) + eps)``: five small ops;
@@ -92,6 +93,7 @@ from hyper_gen import switches
 from hyper_gen.backends.mindspore import matmul_widths
 from hyper_gen.backends.mindspore.ops import MindSporeOps, new_group
 from hyper_gen.cache import DynamicCache
+from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.models.checkpoint import Piece
 from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import (
@@ -110,34 +112,6 @@ from hyper_gen.parallel.tp_plan import TPPlan
 
 DTYPES = {"float32": ms.float32, "float64": ms.float64, "float16": ms.float16, "bfloat16": ms.bfloat16}
 _CHUNK = 64  # Gated DeltaNet prefill chunk, as HF/FLA
-# Most LM head columns per matmul: one very wide matrix-vector product reads slower than a few
-# narrower ones on MindSpore CPU, and a head streamed from memory (larger than the last-level
-# cache) fastest in blocks of ~8K columns (_head_block_columns). See _block_width for the width.
-_HEAD_COLUMNS = 65536
-_STREAMED_HEAD_COLUMNS = 8192
-
-
-def _last_level_cache_bytes() -> int:
-    """This host's largest CPU cache (Linux sysfs), or 32 MiB where it cannot be read."""
-    sizes = []
-    for index in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="ascii") as f:
-                text = f.read().strip()
-        except OSError:
-            break
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
-
-
-def _head_block_columns(head_bytes: int, cache_bytes: int, device_target: str) -> int:
-    """Most columns per LM head block for a head of ``head_bytes`` on this device: on CPU a head
-    larger than the last-level cache of ``cache_bytes`` reads faster in narrow blocks (a 1 GB
-    float32 head: 38 against 58 ms a decode step, docs/performance.md); else _HEAD_COLUMNS."""
-    return _STREAMED_HEAD_COLUMNS if device_target == "CPU" and head_bytes > cache_bytes else _HEAD_COLUMNS
-
-
 # ----------------------------------------------------------------------------------------------
 # load-time helpers (numpy)
 
@@ -158,9 +132,12 @@ class _Weights:
     """Reads this rank's pieces of a checkpoint (``hyper_gen.models.qwen3_5.shards``) into
     MindSpore parameters of the model's layout and dtype."""
 
-    def __init__(self, checkpoint, dtype: str):
+    def __init__(self, checkpoint, dtype: str, kernel_plan: KernelPlan):
         self.checkpoint = checkpoint
         self.dtype = dtype
+        self.kernel_plan = kernel_plan
+        self.kernel_keys = set()  # the plan's keys this model's shapes use (model.kernel_plan)
+        self.on_cpu = ms.get_context("device_target") == "CPU"
         self.ms_dtype = DTYPES[dtype]
         self.acc = ms.float64 if dtype == "float64" else ms.float32
         self.np_read = "float64" if dtype == "float64" else "float32"
@@ -206,11 +183,21 @@ class _Weights:
         return self.projection([self.read(piece) for piece in pieces], in_scale, pad)
 
     def fast_width(self, inner: int, width: int) -> int:
-        """The width an (inner, width) fused projection is stored with: on CPU the faster of it
-        and a zero-padded one, timed here (``hyper_gen.backends.mindspore.matmul_widths``)."""
-        if ms.get_context("device_target") != "CPU" or not matmul_widths.enabled():
+        """The width an (inner, width) fused projection is stored with: on CPU the kernel plan's
+        (``hyper_gen.backends.mindspore.matmul_widths``), else the checkpoint's."""
+        if not self.on_cpu:
             return width
-        return matmul_widths.fast_width(inner, width, self.ms_dtype)
+        self.kernel_keys.add(matmul_widths.matmul_key(inner, width, self.dtype))
+        return matmul_widths.projection_width(self.kernel_plan, inner, width, self.dtype, self.ms_dtype)
+
+    def head_columns(self, head_t: np.ndarray) -> int:
+        """Most columns per LM head block: on CPU the kernel plan's (narrow blocks for a head larger
+        than the last-level cache), else ``HEAD_COLUMNS``."""
+        if not self.on_cpu:
+            return matmul_widths.HEAD_COLUMNS
+        hidden, vocab = head_t.shape
+        self.kernel_keys.add(matmul_widths.head_key(hidden, vocab, self.dtype))
+        return matmul_widths.head_columns(self.kernel_plan, hidden, vocab, self.dtype, head_t.nbytes)
 
     def norm_scale(self, piece: Piece) -> np.ndarray:
         """``1 + w`` of a zero-centred RMSNorm, as HF computes it (model-dtype ``w`` plus one in
@@ -1092,7 +1079,6 @@ def _check_switches() -> None:
     """This port's environment switches read once, at load: a bad value is a ValueError naming
     it before any work (``hyper_gen.switches``)."""
     switches.flag("HYPER_GEN_MINDSPORE_JIT")
-    matmul_widths.enabled()
 
 
 _COMPILED: Dict[tuple, object] = {}
@@ -1500,10 +1486,10 @@ class Qwen3_5ForCausalLM(nn.Cell):
         self.cp_plan = CPPlan.resolve(cp_plan)
         self.context_parallel = ContextParallel(self.cp_plan, cp_group) if self.cp_plan.cp > 1 else None
         self.vocab_start, self.vocab_stop = shard.vocab_start, min(shard.vocab_stop, cfg.vocab_size)  # real ids here
-        # (hidden, vocab) for the fast `x @ W`, in blocks of _HEAD_COLUMNS columns; a tied model
+        # (hidden, vocab) for the fast `x @ W`, in blocks of at most head_columns columns; a tied model
         # embeds by gathering their columns
         head_t = weights.vocab_rows(shard, shard.lm_head or EMBED_TOKENS).T
-        most = _head_block_columns(head_t.nbytes, _last_level_cache_bytes(), ms.get_context("device_target"))
+        most = weights.head_columns(head_t)
         self.head_columns = width = _block_width(head_t.shape[1], most)
         self.lm_head = ParameterTuple(
             [weights.param(head_t[:, i : i + width], f"lm_head.{i // width}") for i in range(0, head_t.shape[1], width)]
@@ -1746,7 +1732,9 @@ def load(
     ``cp_plan``: a ``CPPlan(cp, rank)`` for context parallelism. The world is then the
     ``tp x cp`` mesh (``hyper_gen.parallel.cp_plan.Mesh``, tp innermost: exactly ``tp * cp`` ranks,
     this one at ``(plan.rank, cp_plan.rank)``); with tp > 1 every rank must call this, as it makes
-    the rank's tp and cp subgroups (module docstring), unless ``group`` (the tp group) is given."""
+    the rank's tp and cp subgroups (module docstring), unless ``group`` (the tp group) is given.
+    ``kernels``: the kernel plan's spec (``hyper_gen.kernel_plan``: "auto", "plain" or a plan .json);
+    the model's choices are ``model.kernel_plan``."""
     _check_switches()
     plan = TPPlan.resolve(plan)
     cp_plan = CPPlan.resolve(cp_plan)
@@ -1769,7 +1757,11 @@ def load(
         group, cp_group = _mesh_groups(plan, cp_plan, group)
     if plan.tp > 1:
         _check_group(plan, group)
-    model = Qwen3_5ForCausalLM(shard, _Weights(checkpoint, dtype), group, cp_plan, cp_group)
+    kernel_plan = KernelPlan.open(kernels, "mindspore", ms.__version__, ms.get_context("runtime_num_threads"))
+    kernel_plan.check(matmul_widths.allowed)
+    weights = _Weights(checkpoint, dtype, kernel_plan)
+    model = Qwen3_5ForCausalLM(shard, weights, group, cp_plan, cp_group)
+    model.kernel_plan = kernel_plan.used(weights.kernel_keys)
     model.set_train(False)
     return model
 

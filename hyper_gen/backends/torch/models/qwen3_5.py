@@ -12,14 +12,12 @@ heads decay fast). Elsewhere it fuses: q|k|v of attention, q|k|v|z of Gated Delt
 of every MLP are one matmul each (bitwise the same as separate matmuls at real model sizes).
 
 Weights are (in, out) matrices and every projection is ``x @ w`` (the LM head too; the embedding
-is the (H, V) matrix, looked up by gathering columns, so a tied checkpoint keeps one copy). In
-float32 / float16 / bfloat16 they are (in, out)-contiguous: a batch-1 decode step is a stream of
-matrix-vector products bound by memory bandwidth, and MKL streams that layout faster on CPU than
-the (out, in) one ``F.linear`` reads (measurements: ``docs/performance.md``). Where a float32
-shape multiplies faster on this host in contiguous column blocks (timed at load,
-``blocked_gemm``), it keeps the checkpoint's (out, in) memory, which the blocks are views of.
-float64 keeps HF's (out, in) memory under the same (in, out) view, so it stays bit for bit HF's
-(``_matrix_layout``).
+is the (H, V) matrix, looked up by gathering columns, so a tied checkpoint keeps one copy), run by
+the model's ``TorchKernels`` (``hyper_gen.backends.torch.kernels``): the product each float32 CPU
+shape runs (plain, column blocks or oneDNN) is the model's kernel plan's, fixed at load, and so is
+the layout it needs ((in, out)-contiguous, which MKL streams fastest for a batch-1 decode step, or
+the checkpoint's (out, in) memory for column blocks). float64 keeps HF's (out, in) memory under the
+same (in, out) view, so it stays bit for bit HF's.
 
 Weights are read only through the framework-neutral description
 ``hyper_gen.models.qwen3_5.shards``: ``describe(checkpoint, config, plan)`` names every
@@ -65,9 +63,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hyper_gen.backends.torch import blocked_gemm, onednn_gemm
+from hyper_gen.backends.torch.context_parallel import ContextParallel, CPStep
 from hyper_gen.backends.torch.devices import npu_available
-from hyper_gen.backends.torch.projection import check_switches, project
+from hyper_gen.backends.torch.gated_deltanet import GatedDeltaNet
+from hyper_gen.backends.torch.kernels import PLAIN, TorchKernels, budget_bytes
+from hyper_gen.backends.torch.layers import (
+    RankSum,
+    TokenPacking,
+    ZeroCentredRMSNorm,
+    apply_rotary,
+    causal_mask,
+    rotary_cos_sin,
+    rotary_inverse_frequencies,
+)
+from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import (
@@ -81,7 +90,7 @@ from hyper_gen.models.qwen3_5.shards import (
     MoEShard,
     vocab_rows,
 )
-from hyper_gen.parallel.cp_plan import CPLayout, CPPlan, Mesh, check_ulysses_heads
+from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_ulysses_heads
 from hyper_gen.parallel.tp_plan import TPPlan
 
 TORCH_DTYPES = {
@@ -90,179 +99,6 @@ TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-CHUNK_SIZE = 64  # Gated DeltaNet prefill chunk length (HF's)
-
-
-# --------------------------------------------------------------------------------------- norms
-
-
-class ZeroCentredRMSNorm(nn.Module):
-    """``x / rms(x) * (1 + w)``, computed in float32 and cast back (HF Qwen3_5RMSNorm).
-
-    ``scale`` = ``1 + w`` in float32 is precomputed at load (a buffer, so ``parameters()`` keeps
-    the model dtype); it is bitwise what HF computes each call."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.register_buffer("scale", torch.empty(dim, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.scale).type_as(x)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gated DeltaNet output norm: ``w * x / rms(x) * silu(gate)`` (HF Qwen3_5RMSNormGated)."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = weight * h.to(dtype)
-    h = h * F.silu(gate.to(torch.float32))
-    return h.to(dtype)
-
-
-def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-# ------------------------------------------------------------------------------------- rotary
-
-
-def rotary_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
-    """float32, exactly as HF computes them (the angles stay float32 for every model dtype)."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-
-
-def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """(B, S, rotary_dim) cos and sin in ``dtype`` for integer positions (B, S)."""
-    freqs = position_ids[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``rotary_dim`` channels of x (B, H, S, D); cos/sin are (B, 1, S, rot)."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat(((x_rot * cos) + (rotated * sin), x_pass), dim=-1)
-
-
-# ------------------------------------------------------------------------- context parallelism
-
-
-class ContextParallel:
-    """The context-parallel group of a model (``hyper_gen.parallel.cp_plan``): its plan, its
-    torch.distributed group (None: the world group) and the all-gather everything here uses."""
-
-    def __init__(self, plan: CPPlan, group=None):
-        self.plan = plan
-        self.group = group
-
-    def gather(self, x: torch.Tensor) -> list:
-        """Every rank's ``x`` (same shape everywhere), in rank order."""
-        parts = [torch.empty_like(x) for _ in range(self.plan.cp)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return parts
-
-    def gather_sequence(self, x: torch.Tensor, layout: CPLayout, axis: int) -> torch.Tensor:
-        """The whole sequence along ``axis`` from every rank's prefill slice of it: the slices are
-        padded to the longest for the all-gather and their real positions concatenated in order."""
-        pad = layout.longest - x.shape[axis]
-        if pad:
-            shape = list(x.shape)
-            shape[axis] = pad
-            x = torch.cat([x, x.new_zeros(shape)], dim=axis)
-        parts = self.gather(x)
-        return torch.cat([p.narrow(axis, 0, layout.length_of(r)) for r, p in enumerate(parts)], dim=axis)
-
-    def all_to_all(self, parts: list, shapes: list) -> list:
-        """Ulysses' exchange: ``parts[j]`` goes to rank j; rank i's piece for this rank, of shape
-        ``shapes[i]``, comes back in rank order (one all_to_all_single of the flattened pieces, with
-        uneven split sizes, which gloo and NCCL both support)."""
-        sizes = [int(np.prod(shape)) for shape in shapes]
-        send = torch.cat([p.reshape(-1) for p in parts])
-        received = send.new_empty(sum(sizes))
-        dist.all_to_all_single(received, send, sizes, [p.numel() for p in parts], group=self.group)
-        return [piece.view(shape) for piece, shape in zip(received.split(sizes), shapes)]
-
-
-class CPStep:
-    """One forward of a context-parallel model: the prompt's layout and whether this forward is
-    the sharded prefill (``sharded``: this rank computes only its slice), a replicated one (a
-    prompt shorter than the ranks' chunks, a cacheless one-token call) or a decode step."""
-
-    def __init__(self, cp: ContextParallel, layout: CPLayout, decode: bool):
-        self.cp = cp
-        self.layout = layout
-        self.rank = cp.plan.rank
-        self.decode = decode
-        self.sharded = layout.sharded and not decode
-        self.start, self.stop = layout.slice_of(self.rank)
-
-    def store_prefill(self, cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """This rank's slice of the prompt's K/V into the cache (static: a buffer with room for
-        the decode tokens on the owner); nothing for an empty slice of a dynamic cache."""
-        if cache is None:
-            return
-        if not self.sharded:  # replicated prefill: K/V of every position, keep this rank's
-            key, value = key[:, :, self.start : self.stop], value[:, :, self.start : self.stop]
-        if cache.is_static:
-            capacity = self.layout.static_capacity(self.rank, cache.max_length)
-            if capacity == 0:
-                return
-            b, h, n, d = key.shape
-            keys, values = key.new_zeros(b, h, capacity, d), value.new_zeros(b, h, capacity, value.shape[-1])
-            keys[:, :, :n], values[:, :, :n] = key, value
-            cache.keys[layer_idx], cache.values[layer_idx] = keys, values
-        elif key.shape[2]:
-            cache.keys[layer_idx], cache.values[layer_idx] = key, value
-
-    def decode_keys(self, cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor):
-        """The new token's K/V appended on the owner; (keys, values, mask columns) this rank attends
-        over, or (None, None, None) when it holds none."""
-        layout, rank = self.layout, self.rank
-        if rank == layout.owner:
-            local = cache.seq_length - self.start
-            if cache.is_static:
-                cache.keys[layer_idx][:, :, local : local + 1] = key
-                cache.values[layer_idx][:, :, local : local + 1] = value
-            elif layer_idx in cache.keys:
-                cache.keys[layer_idx] = torch.cat([cache.keys[layer_idx], key], dim=2)
-                cache.values[layer_idx] = torch.cat([cache.values[layer_idx], value], dim=2)
-            else:
-                cache.keys[layer_idx], cache.values[layer_idx] = key, value
-        if layer_idx not in cache.keys:
-            return None, None, None
-        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
-        return keys, values, mask[..., self.start : self.start + keys.shape[2]]
-
-    def merge_attention(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Every rank's partial attention (output normalised over its keys, log-sum-exp of its
-        scores) merged in rank order: the same arithmetic on the same gathered values on every rank."""
-        parts = self.cp.gather(torch.cat([out, lse], dim=-1))
-        lses = [p[..., -1:] for p in parts]
-        top = lses[0]
-        for part in lses[1:]:
-            top = torch.maximum(top, part)
-        weights = [(part - top).exp() for part in lses]
-        total, merged = weights[0], weights[0] * parts[0][..., :-1]
-        for weight, part in zip(weights[1:], parts[1:]):
-            total = total + weight
-            merged = merged + weight * part[..., :-1]
-        return merged / total
-
-    def gather_rows(self, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        """After a sharded prefill: the rows whose logits are returned, the same on every rank
-        (the last one comes from the rank holding the last position)."""
-        if logits_to_keep == 1:
-            return self.cp.gather(hidden[:, -1:])[self.layout.last_rank]
-        hidden = self.cp.gather_sequence(hidden, self.layout, axis=1)
-        return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-
 
 # ---------------------------------------------------------------------------------- attention
 
@@ -270,6 +106,8 @@ class CPStep:
 class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj emits, per head, [query (D) | gate (D)];
     output = o_proj(attention * sigmoid(gate)). Zero-centred q/k RMSNorm, partial rotary, GQA."""
+
+    kernels = PLAIN  # the model's TorchKernels, set by load
 
     def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: AttentionShard):
         super().__init__()
@@ -286,7 +124,7 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention_mask, cache, cp_step: Optional[CPStep] = None, packing=None):
-        projected = project(x, self.qkv_proj)
+        projected = self.kernels.project(x, self.qkv_proj)
         if packing is not None:
             projected = packing.unpack(projected)
         b, s, _ = projected.shape
@@ -308,7 +146,7 @@ class GatedAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
         if packing is not None:
             out = packing.pack(out)
-        return project(out, self.o_proj)
+        return self.kernels.project(out, self.o_proj)
 
     def _attend_context_parallel(self, query, key, value, mask, cache, step: CPStep):
         """Sharded prefill: this rank's queries over every rank's K/V (one all-gather of K|V), the
@@ -379,287 +217,13 @@ class GatedAttention(nn.Module):
         )
 
 
-# ------------------------------------------------------------------------------ Gated DeltaNet
-
-
-def chunk_gated_delta_rule(query, key, value, decay, beta, state: Optional[torch.Tensor], chunk_size: int = CHUNK_SIZE):
-    """Gated delta rule over a whole sequence, 64 positions at a time (HF torch_chunk_gated_delta_rule).
-
-    query/key (B, H, S, Dk) float32, l2-normalised, query pre-scaled; value (B, H, S, Dv);
-    decay (log space, <= 0) and beta (B, H, S); state (B, H, Dk, Dv) float32 or None.
-    Returns the output (B, H, S, Dv) and the final state, both float32.
-    The op order is HF's on purpose: float64 models run this in float32 as HF's do, and the
-    same float32 arithmetic is what makes them match HF bit for bit. It is two phases: the
-    per-chunk work (``_chunk_terms``, independent across chunks) and the scan over chunks
-    carrying the state (``_chunk_scan``); a context-parallel rank runs the first on its own
-    chunks and the second once the previous rank's final state has arrived.
-    """
-    return _chunk_scan(_chunk_terms(query, key, value, decay, beta, chunk_size), state)
-
-
-def chunk_gated_delta_rule_left_padded(
-    query, key, value, decay, beta, leading_padding: list, chunk_size: int = CHUNK_SIZE
-):
-    """:func:`chunk_gated_delta_rule` from a zero state over a left-padded batch, skipping each
-    row's chunks of padding only: there q, k and v are zero, so the state stays exactly zero and
-    the output is zero. Rows are grouped by how many leading chunks they skip; the chunks kept
-    start where the padded layout's chunks start, so each row runs the same chunks as HF's."""
-    skips = [padding // chunk_size for padding in leading_padding]
-    if not any(skips):
-        return chunk_gated_delta_rule(query, key, value, decay, beta, None, chunk_size)
-    b, h, s, dk = key.shape
-    out = value.new_zeros(b, h, s, value.shape[-1])
-    state = value.new_zeros(b, h, dk, value.shape[-1])
-    for skip in sorted(set(skips)):
-        rows = torch.tensor([row for row, k in enumerate(skips) if k == skip], device=query.device)
-        start = skip * chunk_size
-        part = (t.index_select(0, rows)[:, :, start:] for t in (query, key, value, decay, beta))
-        out_rows, state_rows = chunk_gated_delta_rule(*part, None, chunk_size)
-        out[rows, :, start:] = out_rows
-        state[rows] = state_rows
-    return out, state
-
-
-def _chunk_terms(query, key, value, decay, beta, chunk_size: int = CHUNK_SIZE) -> dict:
-    """Everything of the chunked delta rule that does not depend on the incoming state."""
-    b, h, s, dk = key.shape
-    pad = (chunk_size - s % chunk_size) % chunk_size
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
-    n = (s + pad) // chunk_size
-
-    v_beta = value * beta.unsqueeze(-1)
-    k_beta = key * beta.unsqueeze(-1)
-    query, key, k_beta, v_beta = (x.reshape(b, h, n, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta))
-    decay = decay.reshape(b, h, n, chunk_size)
-    strictly_upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
-
-    cum_decay = decay.cumsum(dim=3)
-    pairwise = (cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)).masked_fill(strictly_upper, float("-inf")).exp()
-    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
-    intra_chunk = (query @ key.transpose(-1, -2)) * pairwise
-    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
-    return {
-        "length": s,
-        "key_dim": dk,
-        "new_values": new_values,
-        "k_cumdecay": k_cumdecay,
-        "intra_chunk": intra_chunk,
-        "query": query * cum_decay.exp().unsqueeze(-1),
-        "key": key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1),
-        "chunk_decay": cum_decay[..., -1].exp()[..., None, None],
-    }
-
-
-def _chunk_scan(terms: dict, state: Optional[torch.Tensor]):
-    """The chunks in order, carrying the recurrent state: (output (B, H, S, Dv), final state)."""
-    new_values, k_cumdecay, intra_chunk = terms["new_values"], terms["k_cumdecay"], terms["intra_chunk"]
-    query, key, chunk_decay = terms["query"], terms["key"], terms["chunk_decay"]
-    b, h, n, _, dv = new_values.shape
-    if state is None:
-        state = torch.zeros(b, h, terms["key_dim"], dv, dtype=new_values.dtype, device=new_values.device)
-    else:
-        state = state.to(new_values)
-    out = torch.empty_like(new_values)
-    for i in range(n):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = query[:, :, i] @ state + intra_chunk[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(b, h, -1, dv)[:, :, : terms["length"]]
-    return out, state
-
-
-def recurrent_gated_delta_step(query, key, value, decay, beta, state: torch.Tensor):
-    """One decode position (HF torch_recurrent_gated_delta_rule with S == 1).
-
-    query/key (B, H, Dk) float32, l2-normalised, query pre-scaled; value (B, H, Dv);
-    decay/beta (B, H); state (B, H, Dk, Dv) float32. Returns output (B, H, Dv) and the new state.
-    """
-    state = state * decay.exp()[..., None, None]
-    kv_mem = (state * key.unsqueeze(-1)).sum(dim=-2)
-    delta = (value - kv_mem) * beta.unsqueeze(-1)
-    state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (state * query.unsqueeze(-1)).sum(dim=-2)
-    return out, state
-
-
-def recurrent_gated_delta_step_bmm(query, key, value, decay, beta, state: torch.Tensor):
-    """The same step as :func:`recurrent_gated_delta_step` through batched matrix products: the
-    state is read three times and written twice instead of the elementwise form's seven passes, which
-    sets the pace of a batched decode step. Float32 rounding differs from HF's order by ~1 ulp, so
-    float64 models keep the elementwise form (their float32 islands stay bitwise HF's)."""
-    b, h, dk, dv = state.shape
-    state = (state * decay.exp()[..., None, None]).view(b * h, dk, dv)  # a new tensor: the cache's is kept
-    key = key.reshape(b * h, 1, dk)
-    kv_mem = torch.bmm(key, state).view(b, h, dv)
-    delta = ((value - kv_mem) * beta.unsqueeze(-1)).view(b * h, 1, dv)
-    state = state.baddbmm_(key.transpose(1, 2), delta)
-    out = torch.bmm(query.reshape(b * h, 1, dk), state).view(b, h, dv)
-    return out, state.view(b, h, dk, dv)
-
-
-class GatedDeltaNet(nn.Module):
-    """Linear attention with a gated delta rule (Qwen3.5's 3-in-4 token mixer).
-
-    in_proj columns: q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv); b and a (Hv columns each)
-    stay separate matmuls, over HF's (out, in) memory: fused, or (in, out)-contiguous, MKL rounds
-    their few outputs differently from HF's own matmuls, and the chunked delta rule amplifies a
-    1-ulp change of the decay into a visible difference in the logits.
-    The q|k|v part goes through a depthwise causal conv1d (kernel K) + SiLU; the conv state is
-    the last K-1 pre-conv positions, (B, q|k|v channels, K-1). Recurrent state (B, Hv, Dk, Dv)
-    in float32.
-    """
-
-    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: GatedDeltaNetShard):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_k_heads = shard.num_k_heads  # this rank's heads (all of them at tp 1)
-        self.num_v_heads = shard.num_v_heads
-        self.head_k_dim = config.linear_key_head_dim
-        self.head_v_dim = config.linear_value_head_dim
-        self.kernel_size = config.linear_conv_kernel_dim
-        self.eps = config.rms_norm_eps
-        key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * key_dim + self.value_dim
-        self.qkv_split = [key_dim, key_dim, self.value_dim]
-        self.in_proj = nn.Parameter(torch.empty(config.hidden_size, self.conv_dim + self.value_dim))
-        self.in_proj_b = nn.Parameter(torch.empty(config.hidden_size, self.num_v_heads))
-        self.in_proj_a = nn.Parameter(torch.empty(config.hidden_size, self.num_v_heads))
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel_size))
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
-        self.register_buffer("neg_decay_rate", torch.empty(self.num_v_heads, dtype=torch.float32))  # -exp(A_log)
-        self.norm_weight = nn.Parameter(torch.empty(self.head_v_dim))
-        self.out_proj = nn.Parameter(torch.empty(self.value_dim, config.hidden_size))
-
-    def forward(self, x, cache, prompt_mask, cp_step: Optional[CPStep] = None, packing=None):
-        if packing is None and prompt_mask is not None:  # left padding adds nothing to conv or recurrent state
-            x = (x * prompt_mask[:, :, None]).to(x.dtype)
-        conv_state = recurrent_state = None
-        if cache is not None:
-            conv_state = cache.conv_states.get(self.layer_idx)
-            recurrent_state = cache.recurrent_states.get(self.layer_idx)
-
-        mixed, z = project(x, self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
-        beta, decay = x @ self.in_proj_b, x @ self.in_proj_a
-        if packing is not None:  # padding positions: the zeros HF's masked input projects to
-            mixed, beta, decay = packing.unpack(mixed), packing.unpack(beta), packing.unpack(decay)
-        b, s, _ = mixed.shape
-        sharded = cp_step is not None and cp_step.sharded
-        if sharded:
-            mixed, conv_state = self._conv_context_parallel(mixed.transpose(1, 2), cp_step)
-        else:
-            mixed, conv_state = self._conv(mixed.transpose(1, 2), conv_state)
-        query, key, value = mixed.transpose(1, 2).split(self.qkv_split, dim=-1)
-        query = query.reshape(b, s, -1, self.head_k_dim)
-        key = key.reshape(b, s, -1, self.head_k_dim)
-        value = value.reshape(b, s, -1, self.head_v_dim)
-        beta = beta.sigmoid()
-        decay = self.neg_decay_rate * F.softplus(decay.float() + self.dt_bias)
-
-        out, recurrent_state = self._delta_rule(
-            query, key, value, decay, beta, recurrent_state, cp_step if sharded else None, packing
-        )
-        if cache is not None:
-            cache.conv_states[self.layer_idx] = conv_state
-            cache.recurrent_states[self.layer_idx] = recurrent_state
-
-        if packing is not None:
-            out = packing.pack(out.reshape(b, s, self.value_dim))
-        shape = z.shape
-        out = gated_rms_norm(
-            out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps
-        )
-        return project(out.reshape(shape), self.out_proj)
-
-    def _conv(self, mixed: torch.Tensor, state: Optional[torch.Tensor]):
-        """Depthwise causal conv + SiLU of (B, C, S); returns it and the new (B, C, K-1) state."""
-        keep = self.kernel_size - 1
-        if state is not None and mixed.shape[-1] == 1:
-            window = torch.cat([state, mixed], dim=-1)  # (B, C, K)
-            out = (window * self.conv_weight).sum(dim=-1, keepdim=True)
-            return F.silu(out), window[..., 1:]
-        if state is None:
-            out = F.conv1d(mixed, self.conv_weight.unsqueeze(1), padding=keep, groups=self.conv_dim)
-            out = out[..., : mixed.shape[-1]]
-            history = F.pad(mixed[..., -keep:], (max(keep - mixed.shape[-1], 0), 0))
-        else:  # several new positions after cached ones (chunked prefill)
-            full = torch.cat([state, mixed], dim=-1)
-            out = F.conv1d(full, self.conv_weight.unsqueeze(1), groups=self.conv_dim)
-            history = full[..., -keep:]
-        return F.silu(out), history.contiguous()
-
-    def _conv_context_parallel(self, mixed: torch.Tensor, step: CPStep):
-        """The conv over this rank's slice (B, C, s) of a sharded prefill: the previous slice's last
-        K-1 pre-conv positions (the halo) come with one all-gather of every rank's last K-1, which
-        also gives every rank the whole prompt's conv state (the last K-1 positions overall)."""
-        keep = self.kernel_size - 1
-        tail = F.pad(mixed[..., -keep:], (max(keep - mixed.shape[-1], 0), 0))
-        tails = step.cp.gather(tail)
-        layout = step.layout
-        real = [t[..., keep - min(keep, layout.length_of(r)) :] for r, t in enumerate(tails)]
-        history = torch.cat(real, dim=-1)[..., -keep:]
-        history = F.pad(history, (keep - history.shape[-1], 0)).contiguous()
-        if step.rank == 0:
-            return self._conv(mixed, None)[0], history
-        # the slices before the last are whole chunks (>= K-1 positions): the halo is the previous one's
-        full = torch.cat([tails[step.rank - 1], mixed], dim=-1)
-        out = F.conv1d(full, self.conv_weight.unsqueeze(1), padding=keep, groups=self.conv_dim)
-        return F.silu(out[..., keep : keep + mixed.shape[-1]]), history
-
-    def _delta_rule(self, query, key, value, decay, beta, state, cp_step: Optional[CPStep] = None, packing=None):
-        """(B, S, H, D) inputs -> (B, S, Hv, Dv) output in the model dtype, new float32 state.
-
-        In a sharded context-parallel prefill the state is relayed in rank order: rank r scans its
-        chunks from rank r-1's final state; after each rank's scan one all-gather hands its final
-        state on (the last one gives every rank the whole prompt's state, replicated for decode).
-        Every rank's slice starts on a chunk boundary, so each runs one device's chunks exactly."""
-        dtype = query.dtype
-        groups = self.num_v_heads // self.num_k_heads
-        if groups > 1:  # each q/k head serves `groups` consecutive value heads
-            query = query.repeat_interleave(groups, dim=2)
-            key = key.repeat_interleave(groups, dim=2)
-        query, key, value, beta, decay = (
-            t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-            for t in (query, key, value, beta, decay)
-        )
-        query = l2_normalise(query)
-        key = l2_normalise(key)
-        if state is not None and query.shape[2] == 1:
-            query = query / (query.shape[-1] ** 0.5)
-            step = recurrent_gated_delta_step if dtype == torch.float64 else recurrent_gated_delta_step_bmm
-            out, state = step(query[:, :, 0], key[:, :, 0], value[:, :, 0], decay[:, :, 0], beta[:, :, 0], state)
-            out = out.unsqueeze(2)
-        elif cp_step is not None:
-            query = query * query.shape[-1] ** -0.5
-            out, state = self._relayed_chunks(_chunk_terms(query, key, value, decay, beta), cp_step)
-        elif packing is not None and state is None:
-            query = query * query.shape[-1] ** -0.5
-            out, state = chunk_gated_delta_rule_left_padded(query, key, value, decay, beta, packing.leading_padding)
-        else:
-            query = query * query.shape[-1] ** -0.5
-            out, state = chunk_gated_delta_rule(query, key, value, decay, beta, state)
-        return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state
-
-    @staticmethod
-    def _relayed_chunks(terms: dict, step: CPStep):
-        b, h, _, _, dv = terms["new_values"].shape
-        placeholder = terms["new_values"].new_zeros(b, h, terms["key_dim"], dv)
-        state, out = None, None
-        for turn in range(step.cp.plan.cp):
-            if turn == step.rank:
-                out, state = _chunk_scan(terms, state)
-            state = step.cp.gather(state if turn == step.rank else placeholder)[turn]
-        return out, state
-
-
 # ------------------------------------------------------------------------------------ MLP / MoE
 
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate_up columns: gate (I) | up (I)."""
+
+    kernels = PLAIN  # the model's TorchKernels, set by load
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -667,13 +231,15 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(intermediate_size, hidden_size))
 
     def forward(self, x):
-        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)
-        return project(F.silu(gate) * up, self.down_proj)
+        gate, up = self.kernels.project(x, self.gate_up_proj).chunk(2, dim=-1)
+        return self.kernels.project(F.silu(gate) * up, self.down_proj)
 
 
 class SparseMoE(nn.Module):
     """Softmax top-k router (top-k weights renormalised), routed SwiGLU experts, and a shared
     SwiGLU expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    kernels = PLAIN  # the model's TorchKernels, set by load
 
     def __init__(self, hidden_size: int, shard: MoEShard):
         super().__init__()
@@ -689,12 +255,12 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = x @ self.router
+        logits = self.kernels.project(x, self.router)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
         out = self._experts(x, experts, weights)
-        out = out + torch.sigmoid(x @ self.shared_expert_gate) * self.shared_expert(x)
+        out = out + torch.sigmoid(self.kernels.project(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out.reshape(shape)
 
     def _experts(self, x, experts, weights):
@@ -718,50 +284,6 @@ class SparseMoE(nn.Module):
 
 
 # -------------------------------------------------------------------------------------- model
-
-
-class RankSum:
-    """Sums a row-parallel partial output over the tensor-parallel group in place (one
-    all-reduce); the identity at tp 1. ``group`` None is the world group."""
-
-    def __init__(self, tp: int, group=None):
-        self.tp = tp
-        self.group = group
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
-
-
-class TokenPacking:
-    """The real tokens of a left-padded prefill, packed: the row-wise work of every layer (norms,
-    projections, MLP / experts, residual adds) runs on the (N, H) real rows only, and just the
-    sequence mixers' cores (rotary + attention, conv + delta rule) see the padded (B, S, C) layout,
-    with zeros at the padding: exactly what HF's masked Gated DeltaNet input projects to, and keys
-    the attention mask hides. A batch of mixed-length prompts then costs its tokens, not B x S."""
-
-    def __init__(self, prompt_mask: torch.Tensor):
-        self.batch, self.seq = prompt_mask.shape
-        self.index = prompt_mask.reshape(-1).nonzero().squeeze(1)
-        self.leading_padding = [self.seq - int(n) for n in prompt_mask.sum(dim=1).tolist()]  # per row
-
-    @classmethod
-    def of(cls, prompt_mask: Optional[torch.Tensor]) -> Optional["TokenPacking"]:
-        """None when there is no padding to skip."""
-        if prompt_mask is None or prompt_mask.shape[1] == 1:
-            return None
-        packing = cls(prompt_mask)
-        return packing if packing.index.numel() < packing.batch * packing.seq else None
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, S, C) -> (N, C): the real positions' rows, in order."""
-        return x.reshape(-1, x.shape[-1]).index_select(0, self.index)
-
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, C) -> (B, S, C), zeros at the padding."""
-        out = x.new_zeros(self.batch * self.seq, x.shape[-1])
-        return out.index_copy_(0, self.index, x).view(self.batch, self.seq, -1)
 
 
 class DecoderLayer(nn.Module):
@@ -802,6 +324,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     """
 
     supports_cache_object = True
+
+    kernels = PLAIN  # the model's TorchKernels, set by load
 
     def __init__(self, shard: ModelShard, group=None, cp_plan: Optional[CPPlan] = None, cp_group=None):
         super().__init__()
@@ -877,7 +401,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = project(hidden, head)
+        logits = self.kernels.project(hidden, head)
         if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
             parts = [torch.empty_like(logits) for _ in range(self.tp_plan.tp)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
@@ -917,37 +441,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         return columns.t().contiguous().view(*ids.shape, -1)  # contiguous: reductions sum in HF's order
 
 
-def causal_mask(seq: int, past: int, total: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """(1, 1, seq, total) additive mask: query i (at position past + i) sees columns <= past + i."""
-    rows = torch.arange(past, past + seq, device=device)[:, None]
-    cols = torch.arange(total, device=device)[None, :]
-    mask = torch.zeros(seq, total, dtype=dtype, device=device)
-    return mask.masked_fill(cols > rows, torch.finfo(dtype).min)[None, None]
-
-
 # ------------------------------------------------------------------------------------ loading
-
-
-def _matrix_layout(w_t: torch.Tensor) -> torch.Tensor:
-    """The stored form of a weight given as the (in, out) transposed view of its (out, in) matrix.
-
-    Every matmul is ``x @ w`` with w of shape (in, out). A batch-1 decode step streams weights
-    faster from (in, out)-contiguous memory on CPU than from the (out, in) layout ``F.linear``
-    reads (MKL's axpy-form gemv vs its dot-product form), so that is the layout for float32 /
-    float16 / bfloat16. float64 is the bit-for-bit check against HF: it keeps
-    HF's (out, in) memory, so ``x @ w`` is exactly ``F.linear`` (MKL sums the other layout in
-    another order, and the float32 islands -- norms, the delta rule -- amplify that last-bit
-    difference into a visible one). A float32 CPU weight whose shape multiplies faster in column
-    blocks on this host keeps the (out, in) memory too, which the blocks are cut from
-    (``blocked_gemm``). Whether its products run through a oneDNN-packed copy instead is decided
-    here too (``onednn_gemm``), by timing the shape on this host."""
-    if w_t.dtype == torch.float64:
-        return w_t
-    if w_t.dtype == torch.float32 and w_t.device.type == "cpu" and w_t.dim() == 2:
-        stored = blocked_gemm.stored(w_t)
-        onednn_gemm.use_packed(*w_t.shape)
-        return stored
-    return w_t.contiguous()
 
 
 class _Weights:
@@ -956,10 +450,12 @@ class _Weights:
     Each piece is read (and shape-checked) by ``Checkpoint.read``, in float64 for a float64
     model and float32 otherwise, then cast. A matrix is assembled in the checkpoint's (out, in)
     layout -- a fused one is its pieces' output rows concatenated, in order -- and stored as
-    ``_matrix_layout`` of its (in, out) view."""
+    its kernels' layout of its (in, out) view (``TorchKernels.layout``: (in, out)-contiguous, or the
+    (out, in) memory for float64, which keeps HF's ``F.linear`` sums, and for column blocks)."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device):
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device, kernels: TorchKernels):
         self.checkpoint = checkpoint
+        self.kernels = kernels
         self.dtype = dtype
         self.device = device
         self.read_dtype = "float64" if dtype == torch.float64 else "float32"
@@ -981,8 +477,8 @@ class _Weights:
         return self.transposed(self.array(*pieces))
 
     def transposed(self, array: np.ndarray) -> torch.Tensor:
-        """An (..., out, in) array stored as (..., in, out) (``_matrix_layout``)."""
-        return _matrix_layout(self.cast(array).transpose(-1, -2))
+        """An (..., out, in) array stored as (..., in, out) in its kernel's layout."""
+        return self.kernels.layout(self.cast(array).transpose(-1, -2))
 
     def norm_scale(self, piece: Piece) -> torch.Tensor:
         """``1 + w`` in float32 from w in the model dtype: what HF's zero-centred RMSNorm multiplies by."""
@@ -1050,7 +546,8 @@ def load(
     made here (every rank must call this), unless ``group`` is given."""
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
-    check_switches()
+    budget_bytes()  # HYPER_GEN_TORCH_ONEDNN_GEMM_MB read before any work (a bad value is a ValueError)
+    projections = TorchKernels(KernelPlan.open(kernels, "torch", torch.__version__, torch.get_num_threads()))
     if str(device).startswith("npu") and not npu_available():
         raise ValueError(f"device {device!r} needs torch_npu and CANN, which are not available here")
     try:
@@ -1069,7 +566,7 @@ def load(
         group, cp_group = _mesh_groups(shard.plan, cp_plan, group)
     if shard.plan.tp > 1:
         _check_group(shard.plan, group)
-    w = _Weights(checkpoint, TORCH_DTYPES[dtype], device)
+    w = _Weights(checkpoint, TORCH_DTYPES[dtype], device, projections)
 
     state = {"embed_tokens": w.transposed(vocab_rows(checkpoint, shard, EMBED_TOKENS, w.read_dtype))}
     if shard.lm_head is not None:
@@ -1090,6 +587,10 @@ def load(
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(shard, group, cp_plan, cp_group)
     model.load_state_dict(state, strict=True, assign=True)
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = projections
+    model.kernel_plan = projections.used_plan()
     model.inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rope_theta).to(device)
     model.requires_grad_(False)
     model.generation_defaults = generation_defaults(checkpoint)

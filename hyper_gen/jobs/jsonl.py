@@ -35,8 +35,10 @@ from tqdm import tqdm
 
 from hyper_gen.engine import Engine, EngineDeadError, SamplingParams
 from hyper_gen.engine.engine import check_engine_model
+from hyper_gen.models.checkpoint import Checkpoint
 
-from .common import Interrupted, UsageError, completions
+from .complete import completions
+from .errors import Interrupted, UsageError
 
 BATCHING = ("inflight", "fixed")
 
@@ -203,8 +205,6 @@ def context_length(model, tokenizer=None, path=None):
         if value:
             return value
     if path is not None:
-        from hyper_gen.models.checkpoint import Checkpoint
-
         try:
             value = positive(Checkpoint(path).config.get("max_position_embeddings"))
         except (OSError, ValueError, TypeError):
@@ -227,7 +227,7 @@ def check_row(prompt: str, tokenizer, max_new_tokens: int, context):
             "(an unpaired \\u escape in the JSON)"
         )
     try:
-        length = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        length = len(tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"])
     except Exception as exc:  # any tokenizer failure stays this row's
         return 0, f"the tokenizer rejects the prompt: {_first_line(exc)}"
     if length == 0:
