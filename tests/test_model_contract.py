@@ -6,6 +6,7 @@ with a narrower (or **kwargs) signature, as a torch Module (``forward``) or a Mi
 """
 
 import functools
+import inspect
 
 import numpy as np
 import pytest
@@ -211,6 +212,10 @@ def renamed_cache_qwen3(cfg, state):
     """An HF model whose forward declares ``cache`` (not ``past_key_values``), no return_dict, no **kwargs."""
     from transformers import Qwen3ForCausalLM
 
+    # transformers 5.25 renamed its own argument to ``cache`` (``past_key_values`` deprecated): hand
+    # the parent the name it declares, so only generate()'s own calls are under test
+    parent_name = "cache" if "cache" in inspect.signature(Qwen3ForCausalLM.forward).parameters else "past_key_values"
+
     class CacheNamedQwen3(Qwen3ForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None):
             self.seen.append((tuple(input_ids.shape), type(cache).__name__, use_cache))
@@ -218,8 +223,8 @@ def renamed_cache_qwen3(cfg, state):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=use_cache,
+                **{parent_name: cache},
             )
 
     model = CacheNamedQwen3(cfg).eval()
