@@ -28,6 +28,7 @@ trained or made under ``torch.inference_mode`` (no version counter), runs ``plai
 
 from __future__ import annotations
 
+import functools
 import re
 import statistics
 import threading
@@ -59,6 +60,12 @@ _KERNEL = re.compile(r"plain|onednn|blocked:([1-9][0-9]*)")
 def allowed(kernel: str) -> bool:
     """A kernel name this module runs (``KernelPlan.check``)."""
     return _KERNEL.fullmatch(kernel) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def block_width(kernel: str) -> int:
+    """W of "blocked:W", else 0 (cached: the forward asks once per projection)."""
+    return int(kernel.split(":")[1]) if kernel.startswith("blocked:") else 0
 
 
 def plan_key(inner: int, out: int) -> str:
@@ -117,7 +124,7 @@ def seconds(rows: int, inner: int, out: int, kernel: str) -> float:
         weights = [pack(torch.full((out, inner), 0.25)) for _ in range(copies)]
         return _median_seconds(lambda k: packed_product(x, weights[k]), copies)
     if kernel.startswith("blocked:"):
-        width = int(kernel.split(":")[1])
+        width = block_width(kernel)
         weights = torch.full((copies, out, inner), 0.25)
         return _median_seconds(lambda k: blocked(x, weights[k], width), copies)
     weights = torch.full((copies, inner, out), 0.25)
@@ -141,11 +148,9 @@ def measure(inner: int, out: int, timer: Callable[[int, int, int, str], float] =
     widths = [w for w in WIDTHS if w < out and out % w == 0] if out <= MAX_OUT else []
     if widths:
         prefill = {w: timer(PREFILL_ROWS, inner, out, f"blocked:{w}") for w in widths}
-        width = min(prefill, key=prefill.get)
-        if prefill[width] <= BLOCKED_MARGIN * timer(PREFILL_ROWS, inner, out, "plain") and timer(
-            1, inner, out, f"blocked:{width}"
-        ) <= DECODE_SLACK * timer(1, inner, out, "plain"):
-            best = f"blocked:{width}"
+        candidate = f"blocked:{min(prefill, key=prefill.get)}"
+        if _faster(timer, inner, out, candidate, "plain", BLOCKED_MARGIN, (PREFILL_ROWS,)):
+            best = candidate
     if onednn_available():
         # a head of 248k columns costs GBs and seconds to time whole: SLICE_OUT of its columns stand
         # for it (a wide product's time is its columns' times added up)
@@ -193,16 +198,15 @@ class TorchKernels:
             return self.by_shape[(inner, out)]
         if inner * out < MIN_ELEMENTS:
             return "plain"
-        if (inner, out) not in self.by_shape:
-            key = plan_key(inner, out)
-            kernel = self.plan.choose(key, lambda: measure(inner, out))
-            width = int(kernel.split(":")[1]) if kernel.startswith("blocked:") else 0
-            if width and out % width:
-                raise ValueError(f"kernel plan {self.plan.path!r}: {key!r} -> {kernel!r}: {width} must divide {out}")
-            if kernel == "onednn" and not onednn_available():
-                raise ValueError(f"kernel plan {self.plan.path!r}: {key!r} -> 'onednn', which this torch build lacks")
-            self.by_shape[(inner, out)] = kernel
-        return self.by_shape[(inner, out)]
+        key = plan_key(inner, out)
+        kernel = self.plan.choose(key, lambda: measure(inner, out))
+        width = block_width(kernel)
+        if width and out % width:
+            raise ValueError(f"kernel plan {self.plan.path!r}: {key!r} -> {kernel!r}: {width} must divide {out}")
+        if kernel == "onednn" and not onednn_available():
+            raise ValueError(f"kernel plan {self.plan.path!r}: {key!r} -> 'onednn', which this torch build lacks")
+        self.by_shape[(inner, out)] = kernel
+        return kernel
 
     def layout(self, w_t: torch.Tensor) -> torch.Tensor:
         """The stored form of a weight given as the (in, out) view of its (out, in) matrix: that view
@@ -226,7 +230,7 @@ class TorchKernels:
             if packed is not None:
                 return packed_product(x, packed)
         elif kernel != "plain" and w.t().is_contiguous():
-            return blocked(x, w.t(), int(kernel.split(":")[1]))
+            return blocked(x, w.t(), block_width(kernel))
         return x @ w
 
     def _packed(self, w: torch.Tensor):
