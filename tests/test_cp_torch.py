@@ -275,12 +275,13 @@ def test_cp_model_refuses_a_multi_token_continuation(paths):
     from hyper_gen.backends.torch.ops import TorchOps
     from hyper_gen.cache import DynamicCache
     from hyper_gen.models.checkpoint import Checkpoint
+    from hyper_gen.parallel.context_parallel import ContextParallel
     from hyper_gen.parallel.cp_plan import CPPlan
 
     with pytest.raises(ValueError, match="cp=2 needs an initialised torch.distributed process group"):
         qwen3_5.load(Checkpoint(paths["dense"]), "float32", cp_plan=CPPlan(2, 0))
     model = qwen3_5.load(Checkpoint(paths["dense"]), "float32")
-    model.context_parallel = qwen3_5.ContextParallel(CPPlan(2, 0))
+    model.context_parallel = ContextParallel(CPPlan(2, 0), TorchOps("cpu"))
     model.cp_plan = model.context_parallel.plan
     cache = DynamicCache(TorchOps("cpu"), 1, 8)
     with torch.no_grad():

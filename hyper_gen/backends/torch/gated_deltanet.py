@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyper_gen.backends.torch.context_parallel import CPStep
 from hyper_gen.backends.torch.kernels import PLAIN
 from hyper_gen.backends.torch.layers import gated_rms_norm, l2_normalise
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import GatedDeltaNetShard
+from hyper_gen.parallel.context_parallel import CPStep
 
 CHUNK_SIZE = 64  # Gated DeltaNet prefill chunk length (HF's)
 
@@ -234,22 +234,15 @@ class GatedDeltaNet(nn.Module):
         return F.silu(out), history.contiguous()
 
     def _conv_context_parallel(self, mixed: torch.Tensor, step: CPStep):
-        """The conv over this rank's slice (B, C, s) of a sharded prefill: the previous slice's last
-        K-1 pre-conv positions (the halo) come with one all-gather of every rank's last K-1, which
-        also gives every rank the whole prompt's conv state (the last K-1 positions overall)."""
+        """The conv over this rank's slice (B, C, s) of a sharded prefill, its halo from the
+        previous rank (``CPStep.conv_halo``, which also gives the whole prompt's conv state)."""
         keep = self.kernel_size - 1
-        tail = F.pad(mixed[..., -keep:], (max(keep - mixed.shape[-1], 0), 0))
-        tails = step.cp.gather(tail)
-        layout = step.layout
-        real = [t[..., keep - min(keep, layout.length_of(r)) :] for r, t in enumerate(tails)]
-        history = torch.cat(real, dim=-1)[..., -keep:]
-        history = F.pad(history, (keep - history.shape[-1], 0)).contiguous()
-        if step.rank == 0:
-            return self._conv(mixed, None)[0], history
-        # the slices before the last are whole chunks (>= K-1 positions): the halo is the previous one's
-        full = torch.cat([tails[step.rank - 1], mixed], dim=-1)
+        halo, history = step.conv_halo(F.pad(mixed[..., -keep:], (max(keep - mixed.shape[-1], 0), 0)), axis=-1)
+        if halo is None:
+            return self._conv(mixed, None)[0], history.contiguous()
+        full = torch.cat([halo, mixed], dim=-1)
         out = F.conv1d(full, self.conv_weight.unsqueeze(1), padding=keep, groups=self.conv_dim)
-        return F.silu(out[..., keep : keep + mixed.shape[-1]]), history
+        return F.silu(out[..., keep : keep + mixed.shape[-1]]), history.contiguous()
 
     def _delta_rule(self, query, key, value, decay, beta, state, cp_step: Optional[CPStep] = None, packing=None):
         """(B, S, H, D) inputs -> (B, S, Hv, Dv) output in the model dtype, new float32 state.
@@ -289,9 +282,4 @@ class GatedDeltaNet(nn.Module):
     def _relayed_chunks(terms: dict, step: CPStep):
         b, h, _, _, dv = terms["new_values"].shape
         placeholder = terms["new_values"].new_zeros(b, h, terms["key_dim"], dv)
-        state, out = None, None
-        for turn in range(step.cp.plan.cp):
-            if turn == step.rank:
-                out, state = _chunk_scan(terms, state)
-            state = step.cp.gather(state if turn == step.rank else placeholder)[turn]
-        return out, state
+        return step.relay_state(lambda state: _chunk_scan(terms, state), placeholder)

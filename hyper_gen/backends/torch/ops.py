@@ -81,6 +81,12 @@ class TorchOps:
     def max(self, x, axis=-1, keepdims=True):
         return torch.amax(x, dim=axis, keepdim=keepdims)
 
+    def sum(self, x, axis=-1, keepdims=False):
+        return torch.sum(x, dim=axis, keepdim=keepdims)
+
+    def exp(self, x):
+        return torch.exp(x)
+
     def topk(self, x, k):
         return torch.topk(x, k, dim=-1)
 

@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hyper_gen.backends.torch.context_parallel import ContextParallel, CPStep
+from hyper_gen.backends.torch.context_parallel import all_to_all
 from hyper_gen.backends.torch.devices import npu_available
 from hyper_gen.backends.torch.gated_deltanet import GatedDeltaNet
 from hyper_gen.backends.torch.kernels import PLAIN, TorchKernels, budget_bytes
@@ -76,6 +76,7 @@ from hyper_gen.backends.torch.layers import (
     rotary_cos_sin,
     rotary_inverse_frequencies,
 )
+from hyper_gen.backends.torch.ops import TorchOps
 from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
@@ -90,6 +91,7 @@ from hyper_gen.models.qwen3_5.shards import (
     MoEShard,
     vocab_rows,
 )
+from hyper_gen.parallel.context_parallel import ContextParallel, CPStep
 from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_ulysses_heads
 from hyper_gen.parallel.tp_plan import TPPlan
 
@@ -176,11 +178,11 @@ class GatedAttention(nn.Module):
         hq, hk = h // cp, kv // cp
         heads = torch.cat([x.reshape(b, cp, -1, n, d) for x in (query, key, value)], dim=2)  # (B, cp, hq+2hk, n, D)
         shapes = [(b, hq + 2 * hk, layout.length_of(r), d) for r in range(cp)]
-        pieces = step.cp.all_to_all(list(heads.unbind(1)), shapes)
+        pieces = all_to_all(step.cp.group, list(heads.unbind(1)), shapes)
         q, k, v = torch.cat(pieces, dim=2).split([hq, hk, hk], dim=1)  # the whole sequence, these heads
         out = self._attend(q, k, v, mask)  # (B, hq, width, D)
         slices = [out[:, :, layout.starts[r] : layout.stops[r]] for r in range(cp)]
-        pieces = step.cp.all_to_all(slices, [(b, hq, n, d)] * cp)
+        pieces = all_to_all(step.cp.group, slices, [(b, hq, n, d)] * cp)
         return torch.cat(pieces, dim=1)  # (B, h, n, D): this rank's slice, every head in order
 
     def _attend_partial(self, query, key, value, mask, cache, step: CPStep):
@@ -335,7 +337,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.tp_plan = plan
         self.tp_group = group
         self.cp_plan = CPPlan.resolve(cp_plan)
-        self.context_parallel = ContextParallel(self.cp_plan, cp_group) if self.cp_plan.cp > 1 else None
+        self.context_parallel = ContextParallel(self.cp_plan, TorchOps(), cp_group) if self.cp_plan.cp > 1 else None
         if self.cp_plan.cp > 1:
             # generate() checks inputs and agrees on tokens over every rank of the job (the tp x cp
             # mesh); the logits are whole on every rank (vocab blocks gathered over the tp group here)
@@ -378,7 +380,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         prompt_mask = cache.prompt_mask if cache is not None and past == 0 else None
         step = None
         if self.context_parallel is not None:
-            step = self._cp_step(cache, seq, past)
+            if self.context_parallel.ops.device != input_ids.device:  # CP buffers where the model runs
+                self.context_parallel.ops = TorchOps(input_ids.device)
+            step = self.context_parallel.step(cache, seq)
             if step.sharded:  # this rank's slice of the positions; the mask keeps its global columns
                 input_ids, position_ids = input_ids[:, step.start : step.stop], position_ids[:, step.start : step.stop]
                 if prompt_mask is not None:
@@ -407,22 +411,6 @@ class Qwen3_5ForCausalLM(nn.Module):
             dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
             logits = torch.cat(parts, dim=-1)[..., : self.vocab_size]
         return {"logits": logits}
-
-    def _cp_step(self, cache, seq: int, past: int) -> CPStep:
-        """The layout of this forward: a new one at the prefill (kept on the cache for decode)."""
-        if past == 0:
-            layout = self.cp_plan.layout(seq)
-            if cache is not None:
-                cache.cp_layout = layout
-            return CPStep(self.context_parallel, layout, decode=False)
-        layout = getattr(cache, "cp_layout", None)
-        if layout is None or seq != 1:
-            raise ValueError(
-                f"a context-parallel model takes a prefill (an empty cache) or one token per row after it, got "
-                f"{seq} tokens after {past} cached positions"
-                + ("" if layout is not None else " in a cache it did not prefill")
-            )
-        return CPStep(self.context_parallel, layout, decode=True)
 
     def _embed(self, input_ids):
         if self.tp_plan.tp == 1:
