@@ -51,3 +51,10 @@ def decode_mask(mask: np.ndarray, total_length: int, dtype: str) -> np.ndarray:
     visible = np.zeros((batch, total_length), dtype=bool)
     visible[:, :width] = mask.astype(bool)
     return np.where(visible, 0.0, min_finite(dtype)).astype(_host_dtype(dtype))[:, None, None, :]
+
+
+def causal_mask(seq: int, past: int, total: int, dtype: str) -> np.ndarray:
+    """(1, 1, seq, total) additive mask of a forward given no mask: query i (at position
+    past + i) sees the columns <= past + i (a model port's default, every row unpadded)."""
+    hidden = np.arange(total)[None, :] > np.arange(past, past + seq)[:, None]
+    return np.where(hidden, min_finite(dtype), 0.0).astype(_host_dtype(dtype))[None, None]

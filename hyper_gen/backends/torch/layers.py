@@ -1,5 +1,5 @@
 """The building blocks of the torch model ports that hold no weights of a model family: HF's
-zero-centred and gated RMSNorms, rotary tables, the causal mask, the tensor-parallel sum and the
+zero-centred and gated RMSNorms, rotary tables, the tensor-parallel sum and the
 packing of a left-padded prefill's real tokens."""
 
 from __future__ import annotations
@@ -111,11 +111,3 @@ class TokenPacking:
         """(N, C) -> (B, S, C), zeros at the padding."""
         out = x.new_zeros(self.batch * self.seq, x.shape[-1])
         return out.index_copy_(0, self.index, x).view(self.batch, self.seq, -1)
-
-
-def causal_mask(seq: int, past: int, total: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """(1, 1, seq, total) additive mask: query i (at position past + i) sees columns <= past + i."""
-    rows = torch.arange(past, past + seq, device=device)[:, None]
-    cols = torch.arange(total, device=device)[None, :]
-    mask = torch.zeros(seq, total, dtype=dtype, device=device)
-    return mask.masked_fill(cols > rows, torch.finfo(dtype).min)[None, None]

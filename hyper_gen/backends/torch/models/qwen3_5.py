@@ -72,12 +72,12 @@ from hyper_gen.backends.torch.layers import (
     TokenPacking,
     ZeroCentredRMSNorm,
     apply_rotary,
-    causal_mask,
     rotary_cos_sin,
     rotary_inverse_frequencies,
 )
 from hyper_gen.backends.torch.ops import TorchOps
 from hyper_gen.kernel_plan import KernelPlan
+from hyper_gen.masks import causal_mask
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import (
@@ -93,6 +93,7 @@ from hyper_gen.models.qwen3_5.shards import (
 )
 from hyper_gen.parallel.context_parallel import ContextParallel, CPStep
 from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_ulysses_heads
+from hyper_gen.parallel.groups import check_mesh, check_tp_group
 from hyper_gen.parallel.tp_plan import TPPlan
 
 TORCH_DTYPES = {
@@ -376,7 +377,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             position_ids = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
         if attention_mask is None:
             total = cache.max_length if cache is not None and cache.is_static else past + seq
-            attention_mask = causal_mask(seq, past, total, self.dtype, input_ids.device)
+            dtype = str(self.dtype).removeprefix("torch.")
+            attention_mask = TorchOps(input_ids.device).asarray(causal_mask(seq, past, total, dtype), dtype)
         prompt_mask = cache.prompt_mask if cache is not None and past == 0 else None
         step = None
         if self.context_parallel is not None:
@@ -593,12 +595,9 @@ def _check_group(plan: TPPlan, group) -> None:
             f"(torchrun --nproc_per_node {plan.tp}) and load with hyper_gen.load_model(..., tp={plan.tp}), which "
             "joins the job"
         )
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    where = "the world group" if group is None else f"group {group!r}"
-    if size != plan.tp:
-        raise ValueError(f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes")
-    if rank != plan.rank:
-        raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")
+    check_tp_group(
+        plan, group, dist.get_world_size(group), dist.get_rank(group), f"torchrun --nproc_per_node {plan.tp}"
+    )
 
 
 def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
@@ -612,14 +611,8 @@ def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
             f"(torchrun --nproc_per_node {mesh.size}) and load with hyper_gen.load_model(..., cp={cp_plan.cp}), "
             "which joins the job"
         )
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world != mesh.size:
-        raise ValueError(f"tp={plan.tp} x cp={cp_plan.cp} = {mesh.size} ranks, but the world group has {world}")
-    if mesh.coordinates(rank) != (plan.rank, cp_plan.rank):
-        raise ValueError(
-            f"plan tp rank {plan.rank}, cp rank {cp_plan.rank} but this process is rank {rank}, which the mesh "
-            f"(tp innermost) places at tp rank, cp rank {mesh.coordinates(rank)}"
-        )
+    rank = dist.get_rank()
+    check_mesh(plan, cp_plan, dist.get_world_size(), rank, f"torchrun --nproc_per_node {mesh.size}", "torch")
     if plan.tp == 1:
         return group, None
     tp_group = cp_group = None

@@ -1,0 +1,37 @@
+"""The checks a model port makes of the communication group it loads a shard for, written once.
+
+A port reads its framework's facts (the world's size, this process's rank, the group's) and asks
+these; the messages name the plan, the group and how to launch the job, the same on every backend.
+"""
+
+from __future__ import annotations
+
+from hyper_gen.parallel.cp_plan import CPPlan, Mesh
+from hyper_gen.parallel.tp_plan import TPPlan
+
+
+def check_tp_group(plan: TPPlan, group, size: int, rank: int, launch: str) -> None:
+    """The group the shard sums over (None: the world) must be the plan's ``tp`` ranks, this
+    process at ``plan.rank``; ``size`` and ``rank`` are the group's, ``launch`` the launcher's command."""
+    where = "the world group" if group is None else f"group {group!r}"
+    if size != plan.tp:
+        raise ValueError(f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes ({launch})")
+    if rank != plan.rank:
+        raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")
+
+
+def check_mesh(plan: TPPlan, cp_plan: CPPlan, world: int, rank: int, launch: str, backend: str) -> Mesh:
+    """The world must be the ``tp x cp`` mesh (tp innermost), this process at the plans' coordinates."""
+    mesh = Mesh(plan.tp, cp_plan.cp)
+    if world != mesh.size:
+        raise ValueError(
+            f"tp={plan.tp} x cp={cp_plan.cp} needs {mesh.size} ranks (tp * cp) but this process is rank {rank} of a "
+            f"{world}-rank world: launch {mesh.size} processes ({launch}) and load with "
+            f"hyper_gen.load_model(..., backend={backend!r}, tp={plan.tp}, cp={cp_plan.cp})"
+        )
+    if mesh.coordinates(rank) != (plan.rank, cp_plan.rank):
+        raise ValueError(
+            f"plan tp rank {plan.rank}, cp_plan cp rank {cp_plan.rank} but this process is rank {rank}, which the "
+            f"mesh (tp innermost) places at tp rank, cp rank {mesh.coordinates(rank)}"
+        )
+    return mesh
