@@ -19,7 +19,9 @@ from model_harness import HFReference, Tokens, max_error, padded_batch, port, ro
 from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, make_checkpoint
 
 from hyper_gen.backends.mindspore import configure
+from hyper_gen.backends.mindspore.layers import MLP, TokenPacking
 from hyper_gen.backends.mindspore.models import qwen3_5 as native
+from hyper_gen.backends.mindspore.weights import block_width, round_to
 from hyper_gen.models.checkpoint import Checkpoint
 from hyper_gen.models.loading import load_model
 
@@ -55,7 +57,7 @@ def test_lm_head_in_column_blocks(path, monkeypatch, variant):
     """The LM head is stored in blocks of vocabulary columns (one block at this vocabulary); with
     blocks of 20 the logits are concatenated and a tied embedding gathers each row's ids from the
     blocks holding them (several blocks in one prefill or decode step)."""
-    monkeypatch.setattr(native, "_block_width", lambda columns, most: 20)
+    monkeypatch.setattr("hyper_gen.backends.mindspore.weights.block_width", lambda columns, most: 20)
     model = native.load(Checkpoint(path(variant)), "float64")
     assert [tuple(p.shape) for p in model.lm_head] == [(TINY_TEXT_CONFIG["hidden_size"], 20)] * 4 + [
         (TINY_TEXT_CONFIG["hidden_size"], VOCAB - 80)
@@ -72,10 +74,10 @@ def test_lm_head_in_column_blocks(path, monkeypatch, variant):
 
 def test_lm_head_block_width():
     """Even shares of the vocabulary, 64 times an odd number of columns (no power-of-two row stride)."""
-    assert native._block_width(248320, 65536) == 62144  # Qwen3.5: 3 x 62144 + 61888
-    assert native._block_width(262144, 65536) == 65600  # not 65536 (half the bandwidth)
-    assert native._block_width(97, 65536) == 192  # >= 97: one block
-    assert native._block_width(151936, 65536) == 50752
+    assert block_width(248320, 65536) == 62144  # Qwen3.5: 3 x 62144 + 61888
+    assert block_width(262144, 65536) == 65600  # not 65536 (half the bandwidth)
+    assert block_width(97, 65536) == 192  # >= 97: one block
+    assert block_width(151936, 65536) == 50752
 
 
 def test_bad_dtypes_are_rejected(path):
@@ -95,7 +97,7 @@ def test_bfloat16_rounding_matches_torch():
     values = np.random.default_rng(8).standard_normal(1000).astype(np.float32) * 100
     values[:4] = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.0]  # ties round to even
     expected = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
-    np.testing.assert_array_equal(native._round_to(values, "bfloat16"), expected)
+    np.testing.assert_array_equal(round_to(values, "bfloat16"), expected)
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe"])
@@ -114,17 +116,17 @@ def test_left_padded_prefill_packs_the_real_tokens(path, monkeypatch, variant, d
     ids = rng.integers(3, VOCAB, (4, 133)) * mask
     config = GenerationConfig(max_new_tokens=5, return_dict_in_generate=True, output_logits=True)
     packed_rows = []
-    real_of = native.TokenPacking.of
+    real_of = TokenPacking.of
 
     def spy(cache, seq):
         packing = real_of(cache, seq)
         packed_rows.append(None if packing is None else packing.count)
         return packing
 
-    monkeypatch.setattr(native.TokenPacking, "of", staticmethod(spy))
+    monkeypatch.setattr(TokenPacking, "of", staticmethod(spy))
     packed = generate(model, ids, config, attention_mask=mask)
     assert packed_rows[0] == int(mask.sum()) and all(n is None for n in packed_rows[1:])
-    monkeypatch.setattr(native.TokenPacking, "of", staticmethod(lambda cache, seq: None))
+    monkeypatch.setattr(TokenPacking, "of", staticmethod(lambda cache, seq: None))
     padded = generate(model, ids, config, attention_mask=mask)
     assert np.array_equal(np.asarray(packed.sequences), np.asarray(padded.sequences))
     tolerance = 1e-12 if dtype == "float64" else 1e-5
@@ -141,7 +143,7 @@ def test_a_head_streamed_from_memory_is_read_in_narrow_blocks_on_cpu():
     assert cache >= 1 << 20
     assert matmul_widths.streamed_columns(2 * cache, cache) == matmul_widths.STREAMED_HEAD_COLUMNS == 8192
     assert matmul_widths.streamed_columns(cache // 2, cache) == matmul_widths.HEAD_COLUMNS
-    assert native._block_width(248320, 8192) == 8128  # 31 blocks: 64 x an odd number of columns each
+    assert block_width(248320, 8192) == 8128  # 31 blocks: 64 x an odd number of columns each
 
 
 def test_faster_keeps_the_faster_of_two_widths():
@@ -207,7 +209,7 @@ def test_padded_projection_widths_change_no_result(path, monkeypatch, tmp_path, 
         weights = ("qkv_t",) if a.is_attention else ("in_proj_t",)
         for name in weights:
             assert getattr(b.mixer, name).shape[1] == matmul_widths.candidate(getattr(a.mixer, name).shape[1])
-        if isinstance(a.mlp, native.MLP):
+        if isinstance(a.mlp, MLP):
             assert b.mlp.up_gate_t.shape[1] == matmul_widths.candidate(a.mlp.up_gate_t.shape[1])
     tolerance = 1e-12 if dtype == "float64" else 1e-5
     for ours, theirs in zip(run(padded), run(plain)):

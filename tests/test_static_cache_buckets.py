@@ -81,7 +81,7 @@ def test_prompts_of_other_lengths_in_one_bucket_share_the_cache_shape(backend):
 
 def test_the_mindspore_port_rounds_its_one_graph_static_cache():
     """Loaded with compiled decode (the default), the dense MindSpore port declares the multiple."""
-    from hyper_gen.backends.mindspore.models import qwen3_5
+    from hyper_gen.backends.mindspore.compile import COMPILED_DECODE, STATIC_CACHE_MULTIPLE
 
     model = load_model(demo_model_path(), backend="mindspore")
-    assert qwen3_5.COMPILED_DECODE and model.static_cache_multiple == qwen3_5.STATIC_CACHE_MULTIPLE == 256
+    assert COMPILED_DECODE and model.static_cache_multiple == STATIC_CACHE_MULTIPLE == 256

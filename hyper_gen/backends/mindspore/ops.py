@@ -24,6 +24,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
 
+from .launch import timeout_description
+
 _DTYPES = {
     "float16": ms.float16,
     "bfloat16": ms.bfloat16,
@@ -309,8 +311,6 @@ def _naming_timeouts(collective: str, ops_):
         message = str(error)
         if "Launch kernel failed" not in message or collective not in message:
             raise
-        from .launch import timeout_description  # not at the top: launch imports this package's configure
-
         raise TimeoutError(
             f"MindSpore {collective} on rank {ops_.rank()} failed waiting for its peers, after at most "
             f"{timeout_description()}: another rank of the group stalled, died or is running something "

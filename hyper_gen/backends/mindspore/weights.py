@@ -1,0 +1,130 @@
+"""How a MindSpore model's weights are laid out at load (numpy): only the arrays ``Checkpoint.read``
+returns for this rank's pieces (``hyper_gen.models.qwen3_5.shards`` names them), for the kernels of
+CPU decode (measurements: docs/performance.md). Every projection is stored transposed, (in, out),
+and applied as ``x @ W`` on 2-D (tokens, features) activations: much faster on MindSpore CPU than
+``linear`` with the checkpoint's (out, in) layout, and 2-D matmuls beat 3-D ones for one decode row.
+Projections that read the same input are one matrix (fewer, larger ops: ``projection``), stored at
+the kernel plan's width (``fast_width``), with the RMSNorm weight that feeds them folded into their
+rows (a norm is then five small ops). Heads, experts and the vocabulary stay contiguous along the
+``out`` axis, so a tensor-parallel rank's pieces are contiguous blocks of them.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor
+
+from hyper_gen.backends.mindspore import matmul_widths
+from hyper_gen.backends.mindspore.primitives import numpy_dtype, on_cpu
+from hyper_gen.kernel_plan import KernelPlan
+from hyper_gen.models.checkpoint import Piece
+from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, ModelShard, vocab_rows
+
+DTYPES = {"float32": ms.float32, "float64": ms.float64, "float16": ms.float16, "bfloat16": ms.bfloat16}
+
+
+def round_to(array: np.ndarray, dtype: str) -> np.ndarray:
+    """``array`` rounded to ``dtype``'s precision but kept in its numpy dtype: parameters HF
+    upcasts before use (norm weights, A_log, dt_bias) must first lose what the model dtype loses."""
+    if dtype == "float16":
+        return array.astype(np.float16).astype(array.dtype)
+    if dtype == "bfloat16":  # round to nearest even on the top 16 bits of a float32
+        bits = array.astype(np.float32).view(np.uint32)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32).astype(array.dtype)
+    return array
+
+
+def block_width(columns: int, most: int) -> int:
+    """Columns per block when ``columns`` are cut into ``ceil(columns / most)`` blocks: their even
+    share, rounded up to 64 times an odd number. A row stride of a large power of two bytes cuts
+    MindSpore's CPU matrix-vector bandwidth, as rows then collide in the same cache sets."""
+    share = -(-columns // -(-columns // most))
+    width = -(-share // 64) * 64
+    return width + 64 if (width // 64) % 2 == 0 else width
+
+
+class Weights:
+    """Reads this rank's pieces of a checkpoint (``hyper_gen.models.qwen3_5.shards``) into
+    MindSpore parameters of the model's layout and dtype."""
+
+    def __init__(self, checkpoint, dtype: str, kernel_plan: KernelPlan):
+        self.checkpoint = checkpoint
+        self.dtype = dtype
+        self.kernel_plan = kernel_plan
+        self.kernel_keys = set()  # the plan's keys this model's shapes use (model.kernel_plan)
+        self.on_cpu = on_cpu()
+        self.ms_dtype = DTYPES[dtype]
+        self.acc = ms.float64 if dtype == "float64" else ms.float32
+        self.np_read = "float64" if dtype == "float64" else "float32"
+
+    def read(self, piece: Piece) -> np.ndarray:
+        """``Checkpoint.read`` in the read dtype; a piece that is all of its tensor (a KV head
+        every rank keeps, any piece at tp 1) is read as the whole tensor."""
+        if piece.ranges is not None and piece.ranges == ((0, piece.shape[piece.axis]),):
+            piece = Piece(piece.name, piece.shape)
+        return self.checkpoint.read(piece, self.np_read)
+
+    def vocab_rows(self, shard: ModelShard, name: str) -> np.ndarray:
+        return vocab_rows(self.checkpoint, shard, name, self.np_read)
+
+    def param(self, array: np.ndarray, name: str = "Parameter") -> Parameter:
+        """A checkpoint weight in the model dtype (every Parameter of the model is in it)."""
+        if self.ms_dtype == ms.bfloat16:
+            tensor = Tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=ms.bfloat16)
+        else:
+            tensor = Tensor(np.ascontiguousarray(array, dtype=numpy_dtype(self.ms_dtype)))
+        return Parameter(tensor, name=name, requires_grad=False)
+
+    def constant(self, array: np.ndarray) -> Tensor:
+        """A derived compute-dtype tensor (not a Parameter), after model-dtype rounding: what HF
+        computes with for the weights it upcasts (norm scales, decay rates, conv taps)."""
+        return Tensor(np.ascontiguousarray(round_to(array, self.dtype), dtype=numpy_dtype(self.acc)))
+
+    def projection(self, blocks: List[np.ndarray], in_scale: np.ndarray = None, pad: bool = False) -> Parameter:
+        """(out, in) matrices concatenated along out, stored (in, out); ``in_scale`` (in,) multiplies
+        the rows: the weight of the RMSNorm that feeds the projection, folded in once (the product
+        is taken in float64 and rounded to the model dtype once). ``pad``: zero columns appended up
+        to ``fast_width``."""
+        matrix = np.concatenate(blocks, axis=0).T
+        width = self.fast_width(*matrix.shape) if pad else matrix.shape[1]
+        if width > matrix.shape[1]:
+            matrix = np.concatenate([matrix, np.zeros((matrix.shape[0], width - matrix.shape[1]), matrix.dtype)], 1)
+        if in_scale is not None:
+            matrix = matrix.astype(np.float64) * in_scale.astype(np.float64)[:, None]
+        return self.param(matrix)
+
+    def linear_t(self, pieces: List[Piece], in_scale: np.ndarray = None, pad: bool = False) -> Parameter:
+        """``projection`` of the (out, in) checkpoint pieces, in order."""
+        return self.projection([self.read(piece) for piece in pieces], in_scale, pad)
+
+    def fast_width(self, inner: int, width: int) -> int:
+        """The width an (inner, width) fused projection is stored with: on CPU the kernel plan's
+        (``hyper_gen.backends.mindspore.matmul_widths``), else the checkpoint's."""
+        if not self.on_cpu:
+            return width
+        self.kernel_keys.add(matmul_widths.matmul_key(inner, width, self.dtype))
+        return matmul_widths.projection_width(self.kernel_plan, inner, width, self.dtype, self.ms_dtype)
+
+    def lm_head(self, shard: ModelShard):
+        """(blocks, block width): this rank's LM head as (hidden, width) blocks of vocabulary columns
+        (the last one narrower), for the fast ``x @ W``; a tied model embeds by gathering their
+        columns. At most ``HEAD_COLUMNS`` a block, and on CPU the kernel plan's (narrow blocks for
+        a head larger than the last-level cache)."""
+        head_t = self.vocab_rows(shard, shard.lm_head or EMBED_TOKENS).T
+        hidden, vocab = head_t.shape
+        most = matmul_widths.HEAD_COLUMNS
+        if self.on_cpu:
+            self.kernel_keys.add(matmul_widths.head_key(hidden, vocab, self.dtype))
+            most = matmul_widths.head_columns(self.kernel_plan, hidden, vocab, self.dtype, head_t.nbytes)
+        width = block_width(vocab, most)
+        return [self.param(head_t[:, i : i + width], f"lm_head.{i // width}") for i in range(0, vocab, width)], width
+
+    def norm_scale(self, piece: Piece) -> np.ndarray:
+        """``1 + w`` of a zero-centred RMSNorm, as HF computes it (model-dtype ``w`` plus one in
+        the compute dtype), in numpy: to fold into a projection or to make a constant of."""
+        acc = numpy_dtype(self.acc)
+        return (1.0 + round_to(self.read(piece), self.dtype).astype(acc)).astype(acc)
