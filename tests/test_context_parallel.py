@@ -123,3 +123,35 @@ def test_a_continuation_of_more_than_one_token_is_refused():
 
     with pytest.raises(ValueError, match="in a cache it did not prefill"):
         ContextParallel(CPPlan(2, 0), TorchOps()).step(Cache(), 1)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_merged_partial_attention_on_mindspore_ops(cp):
+    """The same merge through MindSporeOps: the one-device float64 softmax."""
+    import mindspore as ms
+
+    from hyper_gen.backends.mindspore.ops import MindSporeOps
+
+    class SimulatedMindSporeGroup(MindSporeOps):
+        def all_gather(self, x, axis=0, group=None):
+            return ms.ops.concat([ms.Tensor(parts[r][None]) for r in range(cp)], axis)
+
+    rng = _rng()
+    q, keys, values = (rng.standard_normal(shape) for shape in ((2, 3, 1, 8), (2, 3, 10 * cp, 8), (2, 3, 10 * cp, 8)))
+    bounds = np.linspace(0, 10 * cp, cp + 1).astype(int)
+    parts = []
+    for rank in range(cp):
+        scores = q @ keys[:, :, bounds[rank] : bounds[rank + 1]].swapaxes(-1, -2)
+        top = scores.max(-1, keepdims=True)
+        weights = np.exp(scores - top)
+        total = weights.sum(-1, keepdims=True)
+        out = weights @ values[:, :, bounds[rank] : bounds[rank + 1]] / total
+        parts.append(np.concatenate([out, top + np.log(total)], -1))
+    scores = q @ keys.swapaxes(-1, -2)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = probs / probs.sum(-1, keepdims=True) @ values
+    for rank in range(cp):
+        step = ContextParallel(CPPlan(cp, rank), SimulatedMindSporeGroup()).step(None, 200)
+        own = ms.Tensor(parts[rank])
+        merged = step.merge_attention(own[..., :-1], own[..., -1:]).asnumpy()
+        np.testing.assert_allclose(merged, expected, rtol=1e-12, atol=1e-12)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
-from hyper_gen.backends.mindspore.context_parallel import CPStep
 from hyper_gen.backends.mindspore.primitives import (
     add,
     bmm,
@@ -48,6 +47,7 @@ from hyper_gen.backends.mindspore.primitives import (
 from hyper_gen.backends.mindspore.weights import Weights, round_to
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import GatedDeltaNetShard
+from hyper_gen.parallel.context_parallel import CPStep
 
 CHUNK = 64  # Gated DeltaNet prefill chunk, as HF/FLA
 _solve_lower = ops.MatrixTriangularSolve(lower=True)
@@ -231,34 +231,20 @@ class GatedDeltaNet(nn.Cell):
         return silu(cast(out, mixed.dtype)).reshape(b * s, c)
 
     def _conv_context_parallel(self, mixed, cp_step: CPStep, cache):
-        """The conv over this rank's slice (B, s, channels) of a sharded prefill: the previous
-        slice's last kernel-1 pre-conv positions (the halo) come with one all-gather of every
-        rank's last kernel-1, which also gives every rank the whole prompt's conv state."""
+        """The conv over this rank's slice (B, s, channels) of a sharded prefill, its halo from the
+        previous rank (``CPStep.conv_halo``, which also gives the whole prompt's conv state)."""
         keep, s = self.kernel - 1, mixed.shape[1]
         tail = mixed[:, -keep:] if s >= keep else ops.pad(mixed, (0, 0, keep - s, 0))
-        tails = cp_step.cp.gather(tail)
-        layout = cp_step.layout
-        real = [t[:, keep - min(keep, layout.length_of(r)) :] for r, t in enumerate(tails) if layout.length_of(r)]
-        history = ops.concat(real, 1)[:, -keep:]  # a sharded prompt has >= 2 chunks, so >= kernel-1 positions
-        # the slices before the last are whole chunks (>= kernel-1 positions): the halo is the previous one's
-        halo = None if cp_step.rank == 0 else mint.transpose(tails[cp_step.rank - 1], 1, 2)
-        out = self._conv_sequence(mixed, halo, cache)
+        halo, history = cp_step.conv_halo(tail, axis=1)
+        out = self._conv_sequence(mixed, None if halo is None else mint.transpose(halo, 1, 2), cache)
         cache.conv_states[self.layer_idx] = mint.transpose(history, 1, 2)
         return out
 
     def _relayed_chunks(self, q, k, v, g, beta, cp_step: CPStep):
-        """The chunked delta rule of a sharded prefill, its state relayed in rank order: rank r
-        scans its chunks from rank r-1's final state; after each rank's scan one all-gather hands
-        its final state on (the last one gives every rank the whole prompt's state). Every slice
-        starts on a chunk boundary and uses one device's 64-position chunks."""
+        """The chunked delta rule of a sharded prefill, its state relayed in rank order
+        (``CPStep.relay_state``); every slice starts on a chunk boundary."""
         terms = chunk_terms(q, k, v, g, beta, CHUNK)
-        placeholder = ops.zeros(terms["shape"], terms["dtype"])
-        state = out = None
-        for turn in range(cp_step.cp.plan.cp):
-            if turn == cp_step.rank:
-                out, state = chunk_scan(terms, state)
-            state = cp_step.cp.gather(state if turn == cp_step.rank else placeholder)[turn]
-        return out, state
+        return cp_step.relay_state(lambda state: chunk_scan(terms, state), ops.zeros(terms["shape"], terms["dtype"]))
 
     def construct(self, x, b, s, cache, cp_step=None, packing=None):
         n = b * s

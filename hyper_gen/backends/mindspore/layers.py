@@ -16,8 +16,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
-from hyper_gen.backends.mindspore.context_parallel import CPStep
-from hyper_gen.backends.mindspore.ops import MindSporeOps
+from hyper_gen import masks
+from hyper_gen.backends.mindspore.ops import MindSporeOps, dtype_name
 from hyper_gen.backends.mindspore.primitives import (
     add,
     bmm,
@@ -46,6 +46,7 @@ from hyper_gen.backends.mindspore.primitives import (
 from hyper_gen.backends.mindspore.weights import Weights
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import AttentionShard, FusedExperts, MLPShard, MoEShard
+from hyper_gen.parallel.context_parallel import CPStep
 
 
 class PartialSum:
@@ -84,18 +85,10 @@ def rotary_tables(position_ids, inv_freq, dtype):
     return cast(ops.cos(freqs), dtype), cast(ops.sin(freqs), dtype)
 
 
-_MASK_MIN = {
-    ms.float16: float(np.finfo(np.float16).min),
-    ms.float32: float(np.finfo(np.float32).min),
-    ms.float64: float(np.finfo(np.float64).min),
-    ms.bfloat16: -3.3895313892515355e38,
-}
-
-
 def causal_mask(seq: int, past: int, total: int, dtype) -> Tensor:
-    """(1, 1, seq, total) additive mask: query i (at position past + i) sees columns <= past + i."""
-    hidden = np.arange(total)[None, :] > np.arange(past, past + seq)[:, None]
-    return Tensor(np.where(hidden, _MASK_MIN[dtype], 0.0)[None, None], dtype)
+    """(1, 1, seq, total) additive mask of a forward given none (``hyper_gen.masks.causal_mask``)."""
+    name = dtype_name(dtype)
+    return MindSporeOps().asarray(masks.causal_mask(seq, past, total, name), name)
 
 
 class TokenPacking:

@@ -47,6 +47,11 @@ _NUMPY = {
 }
 
 
+def dtype_name(dtype) -> str:
+    """The name ("float32", ...) of a MindSpore dtype."""
+    return _NAMES[dtype]
+
+
 def ms_dtype(name: str):
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
@@ -208,6 +213,12 @@ class MindSporeOps:
 
     def max(self, x, axis=-1, keepdims=True):
         return x.max(axis=axis, keepdims=keepdims)
+
+    def sum(self, x, axis=-1, keepdims=False):
+        return x.sum(axis=axis, keepdims=keepdims)
+
+    def exp(self, x):
+        return ops.exp(x)
 
     def topk(self, x, k):
         values, indices = ops.topk(x, k)

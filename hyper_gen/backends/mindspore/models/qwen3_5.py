@@ -46,7 +46,6 @@ from hyper_gen.backends.mindspore.compile import (
     block,
     check_switches,
 )
-from hyper_gen.backends.mindspore.context_parallel import ContextParallel, CPStep
 from hyper_gen.backends.mindspore.gated_deltanet import GatedDeltaNet
 from hyper_gen.backends.mindspore.ops import MindSporeOps, new_group
 from hyper_gen.backends.mindspore.primitives import add, numpy_dtype, on_cpu, rms_norm, scalar
@@ -55,7 +54,9 @@ from hyper_gen.cache import DynamicCache
 from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, LayerShard, ModelShard, MoEShard
+from hyper_gen.parallel.context_parallel import ContextParallel
 from hyper_gen.parallel.cp_plan import CPPlan, Mesh
+from hyper_gen.parallel.groups import check_mesh, check_tp_group
 from hyper_gen.parallel.tp_plan import TPPlan
 
 
@@ -124,7 +125,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         self.tp_plan = plan
         self.tp_group = group
         self.cp_plan = CPPlan.resolve(cp_plan)
-        self.context_parallel = ContextParallel(self.cp_plan, cp_group) if self.cp_plan.cp > 1 else None
+        self.context_parallel = ContextParallel(self.cp_plan, MindSporeOps(), cp_group) if self.cp_plan.cp > 1 else None
         self.vocab_start, self.vocab_stop = shard.vocab_start, min(shard.vocab_stop, cfg.vocab_size)  # real ids here
         blocks, self.head_columns = weights.lm_head(shard)
         self.lm_head = ParameterTuple(blocks)
@@ -210,7 +211,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
             attention_mask = layers.causal_mask(s, cache.seq_length, total, self.dtype)
         cp_step = None
         if self.context_parallel is not None:
-            cp_step = self._cp_step(cache, s)
+            cp_step = self.context_parallel.step(cache, s)
             if cp_step.sharded:  # this rank's slice of the positions; the mask keeps its global columns
                 input_ids = input_ids[:, cp_step.start : cp_step.stop]
                 position_ids = position_ids[:, cp_step.start : cp_step.stop]
@@ -229,7 +230,9 @@ class Qwen3_5ForCausalLM(nn.Cell):
             x = packing.unpack(x)
         kept = s
         if cp_step is not None and cp_step.sharded:
-            x, kept = cp_step.gather_rows(x, b, logits_to_keep)
+            x = cp_step.gather_rows(x.reshape(b, -1, x.shape[-1]), logits_to_keep)
+            kept = x.shape[1]
+            x = x.reshape(b * kept, -1)
         elif logits_to_keep and logits_to_keep < s:
             kept = logits_to_keep
             x = x.reshape(b, s, -1)[:, -kept:].reshape(b * kept, -1)
@@ -238,20 +241,6 @@ class Qwen3_5ForCausalLM(nn.Cell):
         if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
             logits = MindSporeOps().all_gather(logits, axis=-1, group=self.tp_group)[..., : self.vocab_size]
         return {"logits": logits.reshape(b, kept, -1)}
-
-    def _cp_step(self, cache, seq: int) -> CPStep:
-        """The layout of this forward: a new one at the prefill (kept on the cache for decode)."""
-        if cache.seq_length == 0:
-            cache.cp_layout = layout = self.cp_plan.layout(seq)
-            return CPStep(self.context_parallel, layout, decode=False)
-        layout = getattr(cache, "cp_layout", None)
-        if layout is None or seq != 1:
-            raise ValueError(
-                f"a context-parallel model takes a prefill (an empty cache) or one token per row after it, got "
-                f"{seq} tokens after {cache.seq_length} cached positions"
-                + ("" if layout is not None else " in a cache it did not prefill")
-            )
-        return CPStep(self.context_parallel, layout, decode=True)
 
 
 def load(
@@ -309,15 +298,8 @@ def load(
 def _check_group(plan: TPPlan, group) -> None:
     """The group the shard will all-reduce over must be the plan's ``tp`` ranks, this one at ``plan.rank``."""
     ops_ = MindSporeOps()
-    size, rank = ops_.world_size(group), ops_.rank(group)
-    where = "the world group" if group is None else f"group {group!r}"
-    if size != plan.tp:
-        raise ValueError(
-            f"plan tp={plan.tp} but {where} has {size} rank(s): launch {plan.tp} processes "
-            "(msrun --worker_num) and initialise communication before loading a tensor-parallel shard"
-        )
-    if rank != plan.rank:
-        raise ValueError(f"plan rank={plan.rank} but this process is rank {rank} of {where}")
+    launch = f"msrun --worker_num={plan.tp}; communication initialised before loading a tensor-parallel shard"
+    check_tp_group(plan, group, ops_.world_size(group), ops_.rank(group), launch)
 
 
 def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
@@ -338,19 +320,6 @@ def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
 
 def _check_mesh(plan: TPPlan, cp_plan: CPPlan) -> Mesh:
     """The world must be the ``tp x cp`` mesh, this process at the plans' coordinates."""
-    mesh = Mesh(plan.tp, cp_plan.cp)
-    ops_ = MindSporeOps()
-    world, rank = ops_.world_size(), ops_.rank()
-    launch = f"msrun --worker_num={mesh.size} --local_worker_num={mesh.size} --join=True app.py"
-    if world != mesh.size:
-        raise ValueError(
-            f"tp={plan.tp} x cp={cp_plan.cp} needs {mesh.size} ranks (tp * cp) but this process is rank {rank} of a "
-            f"{world}-rank world: launch {mesh.size} processes ({launch}) and load with "
-            f"hyper_gen.load_model(..., backend='mindspore', tp={plan.tp}, cp={cp_plan.cp})"
-        )
-    if mesh.coordinates(rank) != (plan.rank, cp_plan.rank):
-        raise ValueError(
-            f"plan tp rank {plan.rank}, cp_plan cp rank {cp_plan.rank} but this process is rank {rank}, which the "
-            f"mesh (tp innermost) places at tp rank, cp rank {mesh.coordinates(rank)}"
-        )
-    return mesh
+    ops_, size = MindSporeOps(), plan.tp * cp_plan.cp
+    launch = f"msrun --worker_num={size} --local_worker_num={size} --join=True app.py"
+    return check_mesh(plan, cp_plan, ops_.world_size(), ops_.rank(), launch, "mindspore")
