@@ -10,6 +10,11 @@ if "HYPER_GEN_CACHE_DIR" not in os.environ:
 
     os.environ["HYPER_GEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="hyper_gen-test-cache-")
 
+# under pytest-xdist (-n 2: one worker a core) each worker computes on one thread: two workers
+# of two OpenMP threads each on 2 cores spend their time waiting for one another
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 from backend_harness import HARNESSES
 
@@ -39,3 +44,29 @@ def cli(capfd, monkeypatch):
     from cli_runner import InProcessCLI
 
     return InProcessCLI(capfd, monkeypatch)
+
+
+# The slowest single-process cases (6 s and more each, `--durations` of `-n 2` on 2 cores) are `slow`: the fast
+# loop (-m "not distributed and not slow") leaves them out, the whole suite runs them. Each names
+# its test and the parameter id that makes it slow.
+SLOW_CASES = {
+    ("test_decode_mask_grows_past_its_first_block", "mindspore"),  # generates past a 256-position block
+    ("test_a_request_never_waits_for_the_batch", "mindspore-compiled"),
+    ("test_greedy_equals_generate_with_staggered_arrivals", "mindspore-compiled"),
+    ("test_mindspore_is_quiet_by_default_and_verbose_on_request", ""),  # two CLI subprocesses
+    ("test_a_dynamic_caches_batch_size_runs_compiled_once_seen_enough", ""),
+    ("test_demo_model_solves_heldout_prompts", "1-mindspore"),
+    ("test_sigint_and_sigterm_stop_cleanly", ""),  # a server subprocess, signalled twice
+    ("test_ctrl_c_exits_130_with_one_line_and_the_rerun_resumes", "mindspore"),
+    ("test_inflight_rows_equal_fixed_micro_batches_and_seeds_follow_the_row", "mindspore"),
+    ("test_padded_projection_widths_change_no_result", "moe-float32"),
+    ("test_generate_from_four_threads", "mindspore"),
+    ("test_jsonl_killed_halfway_then_resumed", ""),
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name, _, rest = item.name.partition("[")
+        if (name, rest.rstrip("]")) in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)
