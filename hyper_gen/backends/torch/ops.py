@@ -24,6 +24,11 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name ("float32", ...) of a torch dtype."""
+    return _NAMES[dtype]
+
+
 def torch_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")

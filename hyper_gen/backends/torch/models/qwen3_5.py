@@ -75,7 +75,7 @@ from hyper_gen.backends.torch.layers import (
     rotary_cos_sin,
     rotary_inverse_frequencies,
 )
-from hyper_gen.backends.torch.ops import TorchOps
+from hyper_gen.backends.torch.ops import TorchOps, dtype_name
 from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.masks import causal_mask
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
@@ -377,7 +377,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             position_ids = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
         if attention_mask is None:
             total = cache.max_length if cache is not None and cache.is_static else past + seq
-            dtype = str(self.dtype).removeprefix("torch.")
+            dtype = dtype_name(self.dtype)
             attention_mask = TorchOps(input_ids.device).asarray(causal_mask(seq, past, total, dtype), dtype)
         prompt_mask = cache.prompt_mask if cache is not None and past == 0 else None
         step = None
