@@ -19,11 +19,12 @@ from model_harness import HFReference, Tokens, max_error, padded_batch, port, ro
 from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, make_checkpoint
 
 from hyper_gen.backends.mindspore import configure
-from hyper_gen.backends.mindspore.layers import MLP, TokenPacking
+from hyper_gen.backends.mindspore.layers import MLP
 from hyper_gen.backends.mindspore.models import qwen3_5 as native
 from hyper_gen.backends.mindspore.weights import block_width, round_to
 from hyper_gen.models.checkpoint import Checkpoint
 from hyper_gen.models.loading import load_model
+from hyper_gen.token_packing import TokenPacking
 
 configure("CPU")
 
@@ -118,15 +119,15 @@ def test_left_padded_prefill_packs_the_real_tokens(path, monkeypatch, variant, d
     packed_rows = []
     real_of = TokenPacking.of
 
-    def spy(cache, seq):
-        packing = real_of(cache, seq)
+    def spy(ops, prompt_mask):
+        packing = real_of(ops, prompt_mask)
         packed_rows.append(None if packing is None else packing.count)
         return packing
 
     monkeypatch.setattr(TokenPacking, "of", staticmethod(spy))
     packed = generate(model, ids, config, attention_mask=mask)
     assert packed_rows[0] == int(mask.sum()) and all(n is None for n in packed_rows[1:])
-    monkeypatch.setattr(TokenPacking, "of", staticmethod(lambda cache, seq: None))
+    monkeypatch.setattr(TokenPacking, "of", staticmethod(lambda ops, prompt_mask: None))
     padded = generate(model, ids, config, attention_mask=mask)
     assert np.array_equal(np.asarray(packed.sequences), np.asarray(padded.sequences))
     tolerance = 1e-12 if dtype == "float64" else 1e-5

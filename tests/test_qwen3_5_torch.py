@@ -103,25 +103,25 @@ def test_left_padded_prefill_packs_the_real_tokens(models, monkeypatch, variant,
     """The row-wise work of a left-padded prefill runs on the real tokens only (TokenPacking): same
     greedy tokens and the same logits at every step as the padded layout (float64 to 1e-12), the
     row with 130 positions of padding (two all-padding chunks of the delta rule) included."""
-    from hyper_gen.backends.torch.models import qwen3_5 as port
     from hyper_gen.config import GenerationConfig
     from hyper_gen.generation import generate
+    from hyper_gen.token_packing import TokenPacking
 
     model = models(variant, dtype)
     ids, mask = _padded_prompts([133, 3, 70, 129])
     config = GenerationConfig(max_new_tokens=5, return_dict_in_generate=True, output_logits=True)
     packed_rows = []
-    real_of = port.TokenPacking.of
+    real_of = TokenPacking.of
 
-    def spy(prompt_mask):
-        packing = real_of(prompt_mask)
-        packed_rows.append(None if packing is None else packing.index.numel())
+    def spy(ops, prompt_mask):
+        packing = real_of(ops, prompt_mask)
+        packed_rows.append(None if packing is None else packing.count)
         return packing
 
-    monkeypatch.setattr(port.TokenPacking, "of", staticmethod(spy))
+    monkeypatch.setattr(TokenPacking, "of", staticmethod(spy))
     packed = generate(model, ids, config, attention_mask=mask)
     assert packed_rows[0] == int(mask.sum()) and all(n is None for n in packed_rows[1:])  # decode: no padding
-    monkeypatch.setattr(port.TokenPacking, "of", staticmethod(lambda prompt_mask: None))
+    monkeypatch.setattr(TokenPacking, "of", staticmethod(lambda ops, prompt_mask: None))
     padded = generate(model, ids, config, attention_mask=mask)
     assert torch.equal(torch.as_tensor(packed.sequences), torch.as_tensor(padded.sequences))
     tolerance = 1e-12 if dtype == "float64" else 1e-5

@@ -1,4 +1,5 @@
-"""The checks a model port makes of the communication group it loads a shard for, written once.
+"""The checks a model port makes of the communication group it loads a shard for, and the subgroups
+of a tp x cp mesh, written once.
 
 A port reads its framework's facts (the world's size, this process's rank, the group's) and asks
 these; the messages name the plan, the group and how to launch the job, the same on every backend.
@@ -35,3 +36,22 @@ def check_mesh(plan: TPPlan, cp_plan: CPPlan, world: int, rank: int, launch: str
             f"mesh (tp innermost) places at tp rank, cp rank {mesh.coordinates(rank)}"
         )
     return mesh
+
+
+def mesh_groups(plan: TPPlan, cp_plan: CPPlan, rank: int, group, make_group):
+    """(tp group, cp group) of world rank ``rank`` in the ``tp x cp`` mesh; at tp 1, ``(group, None)``
+    (None: the world group, the one axis of a 1-D mesh). ``group``, when given, is the tp group.
+    ``make_group(name, ranks, member)`` is asked for every subgroup, in the same order on every rank
+    (torch.distributed needs each rank to make each group; MindSpore makes a group on its members
+    only) and returns it, or None; the names are the same on every rank."""
+    if plan.tp == 1:
+        return group, None
+    mesh = Mesh(plan.tp, cp_plan.cp)
+    tag = f"hyper_gen_tp{plan.tp}xcp{cp_plan.cp}"
+    mine = {}
+    for axis, groups in (("tp", mesh.tp_groups()), ("cp", mesh.cp_groups())):
+        for index, ranks in enumerate(groups):
+            made = make_group(f"{tag}_{axis}{index}", list(ranks), rank in ranks)
+            if rank in ranks:
+                mine[axis] = made
+    return (group if group is not None else mine["tp"]), mine["cp"]

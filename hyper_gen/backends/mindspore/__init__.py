@@ -59,6 +59,7 @@ configure()
 from . import models  # noqa: E402  (after configure: nothing may create a tensor first)
 from .launch import init_from_env  # noqa: E402
 from .launch import shutdown as shutdown_distributed  # noqa: E402
+from .weights import check_dtype  # noqa: E402
 
 
 def init_distributed(device: str = None, timeout_s: float = None) -> bool:
@@ -113,10 +114,7 @@ def resolve_device(device, dtype: str, tp: int = 1) -> str:
             f"device {device!r} is not the selected MindSpore device target {target!r}: call "
             f"mindspore.set_device({device!r}) before load_model"
         )
-    if dtype == "bfloat16" and str(target).upper() == "CPU":
-        raise ValueError(
-            "dtype 'bfloat16' is not supported by MindSpore on CPU (storage only); use float32, float16 or float64"
-        )
+    check_dtype(dtype)
     return target
 
 
@@ -162,29 +160,3 @@ def host_ops() -> MindSporeOps:
     """Ops for moving host values between ranks."""
     configure()
     return MindSporeOps()
-
-
-__all__ = [
-    "NAME",
-    "CP_STRATEGIES",
-    "CP_STRATEGIES_WHY",
-    "MindSporeOps",
-    "bind_local_rank_cores",
-    "collective_forward",
-    "find_parallelism",
-    "parameters_unsharded",
-    "configure",
-    "default_device",
-    "fixed_logits_model",
-    "host_ops",
-    "init_distributed",
-    "intra_op_threads",
-    "launcher",
-    "limit_threads",
-    "models",
-    "ms_dtype",
-    "ops_for",
-    "resolve_device",
-    "shutdown_distributed",
-    "thread_initializer",
-]

@@ -1,6 +1,5 @@
 """The layers of the MindSpore model ports but Gated DeltaNet (``gated_deltanet``): gated attention,
-the dense and sparse MLPs, the final norm and LM head, with rotary tables, the causal mask, the
-tensor-parallel sum and the packing of a left-padded prefill's real tokens.
+the dense and sparse MLPs, the final norm and LM head, with rotary tables.
 
 Layers take and return 2-D (B * S, hidden) activations; ``b, s`` give the batch and length. A
 layer's ``construct`` runs a sequence (a prefill, or a one-token forward without a decode state);
@@ -12,12 +11,9 @@ adds a per-call overhead.
 
 from __future__ import annotations
 
-import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
-from hyper_gen import masks
-from hyper_gen.backends.mindspore.ops import MindSporeOps, dtype_name
 from hyper_gen.backends.mindspore.primitives import (
     add,
     bmm,
@@ -41,40 +37,11 @@ from hyper_gen.backends.mindspore.primitives import (
     sum_last,
     take,
     take_split,
-    zeros,
 )
 from hyper_gen.backends.mindspore.weights import Weights
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import AttentionShard, FusedExperts, MLPShard, MoEShard
 from hyper_gen.parallel.context_parallel import CPStep
-
-
-class PartialSum:
-    """Sums row-parallel partial outputs over the tensor-parallel group (the identity at tp 1).
-
-    float32 / float16 use AllReduce. MindSpore's CPU AllReduce has no float64 kernel and its
-    float64 AllGather rounds to float32, so float64 bits travel as int32 words through AllGather
-    (exact) and every rank adds the parts in rank order: the same float64 sum on every rank (a tp
-    subgroup of a tp x cp mesh: that AllGather runs over the world on CPU, ``MindSporeOps``). That
-    costs tp times the all-reduce volume and is meant for validation (float64 TP logits match one
-    device to float64 rounding)."""
-
-    def __init__(self, tp: int, group=None):
-        self.tp = tp
-        self.group = group
-        self.ops = MindSporeOps()
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.tp == 1:
-            return x
-        if x.dtype != ms.float64:
-            return self.ops.all_reduce(x, group=self.group)
-        words = x.reshape(1, -1).view(ms.int32)  # each float64 as two int32 words
-        parts = self.ops.all_gather(words, axis=0, group=self.group).view(ms.float64)  # (tp, numel)
-        total = parts[0]
-        for rank in range(1, self.tp):
-            total = total + parts[rank]
-        return total.reshape(x.shape)
 
 
 def rotary_tables(position_ids, inv_freq, dtype):
@@ -83,47 +50,6 @@ def rotary_tables(position_ids, inv_freq, dtype):
     freqs = mul(cast(position_ids, inv_freq.dtype).reshape(-1, 1), inv_freq)
     freqs = freqs.reshape(freqs.shape[0], 1, freqs.shape[1])
     return cast(ops.cos(freqs), dtype), cast(ops.sin(freqs), dtype)
-
-
-def causal_mask(seq: int, past: int, total: int, dtype) -> Tensor:
-    """(1, 1, seq, total) additive mask of a forward given none (``hyper_gen.masks.causal_mask``)."""
-    name = dtype_name(dtype)
-    return MindSporeOps().asarray(masks.causal_mask(seq, past, total, name), name)
-
-
-class TokenPacking:
-    """The real tokens of a left-padded prefill, packed (the torch port's ``TokenPacking``): the
-    row-wise work of every layer (norms, projections, MLP / experts, residual adds) runs on the N
-    real rows only, and just the sequence mixers' cores (rotary + attention, conv + delta rule) see
-    the B * S padded rows, with zeros at the padding: what HF's masked Gated DeltaNet input projects
-    to, and keys the attention mask hides. Both directions are one Gather (exact copies)."""
-
-    def __init__(self, mask: np.ndarray):
-        flat = mask.reshape(-1) != 0
-        self.rows = int(flat.size)
-        index = np.flatnonzero(flat)
-        self.count = int(index.size)
-        self.pack_index = Tensor(index.astype(np.int32))
-        # padded row -> its packed row, or the zero row appended after the N packed ones
-        unpack = np.full(self.rows, self.count, np.int32)
-        unpack[index] = np.arange(self.count, dtype=np.int32)
-        self.unpack_index = Tensor(unpack)
-
-    @classmethod
-    def of(cls, cache, seq: int):
-        """The packing of this forward: a prefill of a left-padded batch; None otherwise."""
-        if seq == 1 or cache.seq_length != 0 or cache.prompt_mask is None:
-            return None
-        mask = cache.prompt_mask.asnumpy()
-        return None if mask.all() else cls(mask)
-
-    def pack(self, x: Tensor) -> Tensor:
-        """(B * S, C) -> (N, C)."""
-        return ops.gather(x, self.pack_index, 0)
-
-    def unpack(self, x: Tensor) -> Tensor:
-        """(N, C) -> (B * S, C), zeros at the padding."""
-        return ops.gather(ops.concat([x, zeros((1, x.shape[1]), x.dtype)], 0), self.unpack_index, 0)
 
 
 def norm_and_rotate(qk, eps, qk_norm, rotate, cos, sin, acc):

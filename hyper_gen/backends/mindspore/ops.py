@@ -297,6 +297,15 @@ class MindSporeOps:
         return ops.cat(parts, axis)
 
     def all_reduce(self, x, op="sum", group=None):
+        if x.dtype == ms.float64:
+            # no float64 CPU AllReduce kernel: gather the exact bits (all_gather), and every rank
+            # reduces the parts in rank order, so every rank holds the same float64 result
+            parts = self.all_gather(x.reshape((1,) + x.shape), axis=0, group=group)
+            combine = {"sum": ops.add, "max": ops.maximum, "min": ops.minimum}[op]
+            total = parts[0]
+            for rank in range(1, parts.shape[0]):
+                total = combine(total, parts[rank])
+            return total
         reduce = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}[op]
         with _naming_timeouts("AllReduce", self):
             return ops.AllReduce(reduce, group=self._group(group))(x)

@@ -26,6 +26,16 @@ from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, ModelShard, vocab_rows
 DTYPES = {"float32": ms.float32, "float64": ms.float64, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
 
+def check_dtype(dtype: str) -> None:
+    """A model dtype MindSpore computes on this device (bfloat16 is storage only on CPU)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if dtype == "bfloat16" and on_cpu():
+        raise ValueError(
+            "dtype 'bfloat16' is not supported by MindSpore on CPU (storage only); use float32, float16 or float64"
+        )
+
+
 def round_to(array: np.ndarray, dtype: str) -> np.ndarray:
     """``array`` rounded to ``dtype``'s precision but kept in its numpy dtype: parameters HF
     upcasts before use (norm weights, A_log, dt_bias) must first lose what the model dtype loses."""

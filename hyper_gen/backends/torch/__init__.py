@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import kernels, models
-from .devices import default_device, distributed_backend, npu_available, rank_device
+from .devices import default_device, distributed_backend, npu_available, rank_device, resolve_device
 from .launch import init_from_env as init_distributed
 from .launch import shutdown as shutdown_distributed
 from .ops import TorchOps, torch_dtype
@@ -85,22 +85,6 @@ def fixed_logits_model(logits: np.ndarray):
     return FixedLogits()
 
 
-def resolve_device(device, dtype: str, tp: int = 1):
-    """The torch device ``load_model`` puts weights on: ``device``, or CPU (a TP rank: its own
-    accelerator, so the model and HCCL/NCCL agree); a dtype the device cannot compute is a ValueError."""
-    if device is None and tp > 1:
-        device = rank_device()
-    kind = (device or "cpu").split(":")[0].lower()
-    if dtype == "float64" and kind in ("mps", "npu"):
-        raise ValueError(f"dtype 'float64' is not supported on torch device {device!r}")
-    if kind == "npu" and not npu_available():
-        raise ValueError(f"device {device!r} needs torch_npu and CANN, which are not available here")
-    try:
-        return torch.device(device or "cpu")
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device {device!r} is not a torch device: {error}") from None
-
-
 def ops_for(obj):
     """TorchOps for a torch Module (its parameters' device) or Tensor, else None."""
     if isinstance(obj, torch.Tensor):
@@ -117,32 +101,3 @@ def ops_for(obj):
 def host_ops() -> TorchOps:
     """Ops on the default device, for moving host values between ranks."""
     return TorchOps(default_device())
-
-
-__all__ = [
-    "NAME",
-    "CP_STRATEGIES",
-    "CP_STRATEGIES_WHY",
-    "TorchOps",
-    "bind_local_rank_cores",
-    "collective_forward",
-    "cpu_products",
-    "find_parallelism",
-    "parameters_unsharded",
-    "default_device",
-    "distributed_backend",
-    "fixed_logits_model",
-    "host_ops",
-    "init_distributed",
-    "intra_op_threads",
-    "launcher",
-    "limit_threads",
-    "models",
-    "npu_available",
-    "ops_for",
-    "rank_device",
-    "resolve_device",
-    "shutdown_distributed",
-    "thread_initializer",
-    "torch_dtype",
-]

@@ -32,3 +32,19 @@ def distributed_backend(device: str) -> str:
     """The collective library for ``device``: HCCL on Ascend, NCCL on CUDA, gloo on CPU."""
     kind = str(device).split(":")[0]  # by name: torch.device("npu") needs torch_npu imported
     return {"npu": "hccl", "cuda": "nccl"}.get(kind, "gloo")
+
+
+def resolve_device(device, dtype: str, tp: int = 1):
+    """The torch device ``load_model`` puts weights on: ``device``, or CPU (a TP rank: its own
+    accelerator, so the model and HCCL/NCCL agree); a dtype the device cannot compute is a ValueError."""
+    if device is None and tp > 1:
+        device = rank_device()
+    kind = (device or "cpu").split(":")[0].lower()
+    if dtype == "float64" and kind in ("mps", "npu"):
+        raise ValueError(f"dtype 'float64' is not supported on torch device {device!r}")
+    if kind == "npu" and not npu_available():
+        raise ValueError(f"device {device!r} needs torch_npu and CANN, which are not available here")
+    try:
+        return torch.device(device or "cpu")
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device {device!r} is not a torch device: {error}") from None

@@ -187,7 +187,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z = self.kernels.project(x, self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
         beta, decay = x @ self.in_proj_b, x @ self.in_proj_a
         if packing is not None:  # padding positions: the zeros HF's masked input projects to
-            mixed, beta, decay = packing.unpack(mixed), packing.unpack(beta), packing.unpack(decay)
+            mixed, beta, decay = (packing.unpack_batch(t) for t in (mixed, beta, decay))
         b, s, _ = mixed.shape
         sharded = cp_step is not None and cp_step.sharded
         if sharded:

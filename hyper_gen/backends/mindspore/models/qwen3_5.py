@@ -1,34 +1,8 @@
-"""Qwen3.5 (dense and MoE) written natively in MindSpore for the cache-object contract.
-
-Semantics follow transformers 5.23 ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` (text part):
-3 Gated DeltaNet layers to 1 gated full-attention layer, zero-centred RMSNorm, partial rotary. This
-module composes the backend's layers (``hyper_gen.backends.mindspore.layers``, ``.gated_deltanet``)
-into decoder layers and the model, and loads it: weights laid out for MindSpore on CPU
-(``.weights``), one-token steps through the layers' decode blocks, compiled once per batch size
-where the compile gate allows (``.decode``, ``.compile``; bitwise the PyNative results).
-
-Precision: float32 and float64 models compute everything in their own dtype; float16 models keep
-what HF upcasts (norms, softmax, rotary tables, the delta rule and its state) in float32. The
-linear-attention recurrent state is float32, or float64 in a float64 model.
-
-Tensor parallelism (``load(checkpoint, dtype, plan=TPPlan(tp, rank), group=None)``, under msrun):
-each rank reads only its pieces, as ``hyper_gen.models.qwen3_5.shards.describe`` lists them (its
-splits are checked before any weight is read, so a tp that does not divide the heads fails at
-once). Attention query(+gate)/K/V heads, Gated DeltaNet key heads with their value heads, MLP /
-expert / shared-expert intermediate dims and the vocabulary are split; the router, the shared-expert
-gate and every norm weight are replicated. A decoder layer sums its mixer's and its MLP's
-row-parallel partial outputs with one all-reduce each (float64 exactly, by its bits:
-``layers.PartialSum``); the vocab-parallel embedding (out-of-range ids masked, local gather) with
-one more. The LM head returns this rank's vocabulary block of logits, zero-padded to
-``plan.padded_vocab(V)``; ``parallel_group`` / ``vocab_parallel`` / ``vocab_size`` tell generate()
-to all-gather and trim them. Per decode step that is ``2 * num_hidden_layers + 1`` all-reduces of
-(B, 1, hidden) plus one all-gather of (B, padded V / tp) logits per rank.
-
-Context parallelism (``load(..., plan=TPPlan(tp, tp_rank), cp_plan=CPPlan(cp, cp_rank))``) is the
-torch port's, step for step, on AllGather alone (``.context_parallel``; the contract, the tp x cp
-mesh and what each group carries: docs/model_contract.md). With tp > 1 ``load`` makes this rank's
-two subgroups of the mesh, ``hyper_gen_tp<T>xcp<C>_tp<i>`` (the tp ranks of cp rank i) and
-``hyper_gen_tp<T>xcp<C>_cp<j>`` (the cp ranks of tp rank j).
+"""Qwen3.5 (dense and MoE) written natively in MindSpore: the decoder layer, the model and ``load``,
+composing the backend's layers (``..layers``, ``..gated_deltanet``) on weights laid out for
+MindSpore (``..weights``); one-token steps run the layers' decode blocks, compiled once per batch
+size where the compile gate allows (``..decode``, ``..compile``; bitwise the PyNative results).
+Layout, numerics, tensor and context parallelism: docs/architecture.md, "The native Qwen3.5 ports".
 """
 
 from __future__ import annotations
@@ -47,26 +21,27 @@ from hyper_gen.backends.mindspore.compile import (
     check_switches,
 )
 from hyper_gen.backends.mindspore.gated_deltanet import GatedDeltaNet
-from hyper_gen.backends.mindspore.ops import MindSporeOps, new_group
-from hyper_gen.backends.mindspore.primitives import add, numpy_dtype, on_cpu, rms_norm, scalar
-from hyper_gen.backends.mindspore.weights import DTYPES, Weights
+from hyper_gen.backends.mindspore.ops import MindSporeOps, dtype_name, new_group
+from hyper_gen.backends.mindspore.primitives import add, numpy_dtype, rms_norm, scalar
+from hyper_gen.backends.mindspore.weights import Weights, check_dtype
 from hyper_gen.cache import DynamicCache
 from hyper_gen.kernel_plan import KernelPlan
+from hyper_gen.masks import causal_mask
 from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, LayerShard, ModelShard, MoEShard
 from hyper_gen.parallel.context_parallel import ContextParallel
 from hyper_gen.parallel.cp_plan import CPPlan, Mesh
-from hyper_gen.parallel.groups import check_mesh, check_tp_group
+from hyper_gen.parallel.groups import check_mesh, check_tp_group, mesh_groups
+from hyper_gen.parallel.rank_sum import RankSum
 from hyper_gen.parallel.tp_plan import TPPlan
+from hyper_gen.token_packing import TokenPacking
 
 
 class DecoderLayer(nn.Cell):
     """Mixer and layers.MLP residual blocks; ``partial_sum`` adds up their row-parallel outputs. The two
     norms' ``1 + w`` live in the mixer's and the layers.MLP's input projections."""
 
-    def __init__(
-        self, cfg: Qwen3_5Config, weights: Weights, shard: LayerShard, layer_idx: int, partial_sum: layers.PartialSum
-    ):
+    def __init__(self, cfg: Qwen3_5Config, weights: Weights, shard: LayerShard, layer_idx: int, partial_sum: RankSum):
         super().__init__()
         input_scale = weights.norm_scale(shard.input_norm)
         post_attention_scale = weights.norm_scale(shard.post_attention_norm)
@@ -130,7 +105,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
         blocks, self.head_columns = weights.lm_head(shard)
         self.lm_head = ParameterTuple(blocks)
         self.embed_tokens = None if shard.lm_head is None else weights.param(weights.vocab_rows(shard, EMBED_TOKENS))
-        self.partial_sum = layers.PartialSum(plan.tp, group)
+        self.partial_sum = RankSum(MindSporeOps(), plan.tp, group)
         if self.cp_plan.cp > 1:
             # generate() checks inputs and agrees on tokens over every rank of the job (the tp x cp
             # mesh); the logits are whole on every rank (vocab blocks gathered over the tp group here)
@@ -208,7 +183,8 @@ class Qwen3_5ForCausalLM(nn.Cell):
             position_ids = Tensor(np.tile(np.arange(cache.seq_length, cache.seq_length + s), (b, 1)))
         if attention_mask is None:
             total = cache.max_length if cache.is_static else cache.seq_length + s
-            attention_mask = layers.causal_mask(s, cache.seq_length, total, self.dtype)
+            name = dtype_name(self.dtype)
+            attention_mask = MindSporeOps().asarray(causal_mask(s, cache.seq_length, total, name), name)
         cp_step = None
         if self.context_parallel is not None:
             cp_step = self.context_parallel.step(cache, s)
@@ -216,7 +192,8 @@ class Qwen3_5ForCausalLM(nn.Cell):
                 input_ids = input_ids[:, cp_step.start : cp_step.stop]
                 position_ids = position_ids[:, cp_step.start : cp_step.stop]
                 s = cp_step.stop - cp_step.start
-        packing = layers.TokenPacking.of(cache, s) if cp_step is None else None
+        prompt_mask = cache.prompt_mask if cp_step is None and cache.seq_length == 0 else None
+        packing = TokenPacking.of(MindSporeOps(), prompt_mask)
         compiled = s == 1 and self._compile_gate.allows(b, cache.is_static, self.decode_compile_after)
         if compiled and (cp_step is None or cp_step.decode):
             logits = decode.segmented_decode(self, input_ids, position_ids, attention_mask, cache, cp_step)
@@ -261,7 +238,7 @@ def load(
     ``cp_plan``: a ``CPPlan(cp, rank)`` for context parallelism. The world is then the
     ``tp x cp`` mesh (``hyper_gen.parallel.cp_plan.Mesh``, tp innermost: exactly ``tp * cp`` ranks,
     this one at ``(plan.rank, cp_plan.rank)``); with tp > 1 every rank must call this, as it makes
-    the rank's tp and cp subgroups (module docstring), unless ``group`` (the tp group) is given.
+    the rank's tp and cp subgroups (docs/architecture.md), unless ``group`` (the tp group) is given.
     ``kernels``: the kernel plan's spec (``hyper_gen.kernel_plan``: "auto", "plain" or a plan .json);
     the model's choices are ``model.kernel_plan``."""
     check_switches()
@@ -269,12 +246,7 @@ def load(
     cp_plan = CPPlan.resolve(cp_plan)
     if cp_plan.cp > 1:
         _check_mesh(plan, cp_plan)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    if dtype == "bfloat16" and on_cpu():
-        raise ValueError(
-            "dtype 'bfloat16' is not supported by MindSpore on CPU (storage only); use float32, float16 or float64"
-        )
+    check_dtype(dtype)
     if checkpoint.architecture not in ARCHITECTURES:
         raise ValueError(
             f"checkpoint {checkpoint.path!r} has architecture {checkpoint.architecture or None!r}; "
@@ -303,19 +275,11 @@ def _check_group(plan: TPPlan, group) -> None:
 
 
 def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
-    """(tp group, cp group) of this rank in the world's ``tp x cp`` mesh; None is the world group
-    (the one axis of a 1-D mesh). The names are the mesh's and the group's index, the same on
-    every rank; each rank makes its tp group, then its cp group (MindSpore makes a group on its
-    members only)."""
-    mesh = _check_mesh(plan, cp_plan)
-    if plan.tp == 1:
-        return group, None
-    rank = MindSporeOps().rank()
-    tag = f"hyper_gen_tp{plan.tp}xcp{cp_plan.cp}"
-    tp_index, cp_index = rank // plan.tp, rank % plan.tp  # this rank's tp group, cp group
-    tp_group = new_group(f"{tag}_tp{tp_index}", mesh.tp_groups()[tp_index])
-    cp_group = new_group(f"{tag}_cp{cp_index}", mesh.cp_groups()[cp_index])
-    return (group if group is not None else tp_group), cp_group
+    """(tp group, cp group) of this rank in the world's ``tp x cp`` mesh (``parallel.groups.mesh_groups``):
+    MindSpore makes a group on its members only."""
+    _check_mesh(plan, cp_plan)
+    make = lambda name, ranks, member: new_group(name, ranks) if member else None  # noqa: E731
+    return mesh_groups(plan, cp_plan, MindSporeOps().rank(), group, make)
 
 
 def _check_mesh(plan: TPPlan, cp_plan: CPPlan) -> Mesh:

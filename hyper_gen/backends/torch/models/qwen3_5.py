@@ -1,56 +1,9 @@
-"""Qwen3.5 (dense and MoE) in plain torch, loaded from HF checkpoints.
+"""Qwen3.5 (dense and MoE) in plain torch, loaded from HF checkpoints: gated attention, the MLPs,
+the decoder layer, the model and ``load`` (Gated DeltaNet: ``..gated_deltanet``).
 
-Implements the cache-object contract (``docs/model_contract.md``): the model writes attention K/V
-and Gated DeltaNet conv/recurrent state into the ``StaticCache``/``DynamicCache`` it is handed.
-
-Numerics follow transformers 5.23 op for op where HF computes in float32 whatever the model
-dtype (zero-centred RMSNorm, rotary angles, router softmax, the whole gated delta rule with its
-float32 recurrent state): a float64 model then matches HF's float64 model bit for bit on CPU.
-Float32 matches HF closely but not bitwise: HF's chunked delta rule itself turns 1-ulp input
-differences into visible logit differences (its float32 cumulative decay loses precision when
-heads decay fast). Elsewhere it fuses: q|k|v of attention, q|k|v|z of Gated DeltaNet and gate|up
-of every MLP are one matmul each (bitwise the same as separate matmuls at real model sizes).
-
-Weights are (in, out) matrices and every projection is ``x @ w`` (the LM head too; the embedding
-is the (H, V) matrix, looked up by gathering columns, so a tied checkpoint keeps one copy), run by
-the model's ``TorchKernels`` (``hyper_gen.backends.torch.kernels``): the product each float32 CPU
-shape runs (plain, column blocks or oneDNN) is the model's kernel plan's, fixed at load, and so is
-the layout it needs ((in, out)-contiguous, which MKL streams fastest for a batch-1 decode step, or
-the checkpoint's (out, in) memory for column blocks). float64 keeps HF's (out, in) memory under the
-same (in, out) view, so it stays bit for bit HF's.
-
-Weights are read only through the framework-neutral description
-``hyper_gen.models.qwen3_5.shards``: ``describe(checkpoint, config, plan)`` names every
-checkpoint tensor this rank reads and the ranges of it it keeps, and ``Checkpoint.read`` reads
-and shape-checks each one (a missing or misshaped tensor raises ValueError naming it). This
-module only lays the arrays out: fused matrices are the concatenation of their pieces' output
-rows in the checkpoint's (out, in) layout, transposed afterwards (``_Weights``).
-
-Tensor parallelism (``load(checkpoint, dtype, device, plan=TPPlan(tp, rank), group=None)``, under
-torchrun): each rank reads only its pieces (``describe`` checks every split before any weight is
-read, and the split itself -- which heads, channels, intermediate dims and vocabulary rows a rank
-keeps -- is documented there), so a rank's q|k|v (attention), q|k|v|z (Gated DeltaNet) and
-gate|up (MLP, experts) are its slice of each segment, and o_proj, out_proj and down_proj are
-split by columns (row-parallel). A decoder layer sums its mixer's and its MLP's partial outputs
-with one ``torch.distributed.all_reduce`` each; the vocab-parallel embedding (ids outside this
-rank's block masked, local lookup) with one more. The LM head returns this rank's block of
-``plan.padded_vocab(V) // tp`` logits (rows past V are zero); the model's ``parallel_group`` /
-``vocab_parallel`` / ``vocab_size`` tell generate() to all-gather and trim them. Per decode step:
-``2 * num_hidden_layers + 1`` all-reduces of (B, 1, hidden) and one all-gather of the
-(B, padded V / tp) logits (``hyper_gen.models.qwen3_5.tp_traffic``).
-
-Context parallelism (``load(..., cp_plan=CPPlan(cp, rank))``; contract: docs/model_contract.md,
-"Context parallelism"; bookkeeping: ``hyper_gen.parallel.cp_plan``): every rank gets the whole
-batch and prefills its run of 64-position chunks (``CPStep``); attention all-gathers K|V once per
-layer (``CPPlan.strategy`` "allgather", the default) or, with "ulysses", exchanges Q|K|V by one
-all-to-all for the whole sequence of ``1/cp`` of the heads and the output by a second; Gated
-DeltaNet all-gathers the conv halo once and relays the recurrent state in rank order
-(one all-gather per hand-over), so each rank runs one device's chunks with one device's float32
-arithmetic (float64 logits equal one device's). Each rank's cache holds its K/V slice; the last
-rank also appends every decode token's; a decode step merges the per-rank partial attention by
-log-sum-exp (one all-gather of (B, H, D + 1) per attention layer). Under a tp x cp mesh the tp
-and cp subgroups are made at load, and the vocabulary blocks are gathered over the tp group here,
-so generate() sees whole logits.
+It follows HF op for op where HF computes in float32 whatever the model dtype, so a float64 model
+matches HF's bit for bit; weights are (in, out) matrices run by the model's ``TorchKernels``.
+Layout, numerics, tensor and context parallelism: docs/architecture.md, "The native Qwen3.5 ports".
 """
 
 from __future__ import annotations
@@ -64,17 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_gen.backends.torch.context_parallel import all_to_all
-from hyper_gen.backends.torch.devices import npu_available
+from hyper_gen.backends.torch.devices import resolve_device
 from hyper_gen.backends.torch.gated_deltanet import GatedDeltaNet
 from hyper_gen.backends.torch.kernels import PLAIN, TorchKernels, budget_bytes
-from hyper_gen.backends.torch.layers import (
-    RankSum,
-    TokenPacking,
-    ZeroCentredRMSNorm,
-    apply_rotary,
-    rotary_cos_sin,
-    rotary_inverse_frequencies,
-)
+from hyper_gen.backends.torch.layers import ZeroCentredRMSNorm, apply_rotary, rotary_cos_sin, rotary_inverse_frequencies
 from hyper_gen.backends.torch.ops import TorchOps, dtype_name
 from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.masks import causal_mask
@@ -92,9 +38,11 @@ from hyper_gen.models.qwen3_5.shards import (
     vocab_rows,
 )
 from hyper_gen.parallel.context_parallel import ContextParallel, CPStep
-from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_ulysses_heads
-from hyper_gen.parallel.groups import check_mesh, check_tp_group
+from hyper_gen.parallel.cp_plan import CPPlan, check_ulysses_heads
+from hyper_gen.parallel.groups import check_mesh, check_tp_group, mesh_groups
+from hyper_gen.parallel.rank_sum import RankSum
 from hyper_gen.parallel.tp_plan import TPPlan
+from hyper_gen.token_packing import TokenPacking
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -129,7 +77,7 @@ class GatedAttention(nn.Module):
     def forward(self, x, cos, sin, attention_mask, cache, cp_step: Optional[CPStep] = None, packing=None):
         projected = self.kernels.project(x, self.qkv_proj)
         if packing is not None:
-            projected = packing.unpack(projected)
+            projected = packing.unpack_batch(projected)
         b, s, _ = projected.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         query_gate, key, value = projected.split([2 * h * d, kv * d, kv * d], dim=-1)
@@ -348,7 +296,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.parallel_group = group
             self.vocab_parallel = True
         self.vocab_start, rows = shard.vocab_start, shard.vocab_stop - shard.vocab_start
-        self.rank_sum = RankSum(plan.tp, group)
+        self.rank_sum = RankSum(TorchOps(), plan.tp, group)
         # the embedding matrix transposed, (H, rows): a lookup gathers columns; when tied it is
         # also the LM head (one copy), read by ``hidden @ embed_tokens``
         self.embed_tokens = nn.Parameter(torch.empty(config.hidden_size, rows))
@@ -380,27 +328,24 @@ class Qwen3_5ForCausalLM(nn.Module):
             dtype = dtype_name(self.dtype)
             attention_mask = TorchOps(input_ids.device).asarray(causal_mask(seq, past, total, dtype), dtype)
         prompt_mask = cache.prompt_mask if cache is not None and past == 0 else None
+        ops = TorchOps(input_ids.device)
         step = None
         if self.context_parallel is not None:
-            if self.context_parallel.ops.device != input_ids.device:  # CP buffers where the model runs
-                self.context_parallel.ops = TorchOps(input_ids.device)
+            self.context_parallel.ops = ops  # CP buffers where the model runs
             step = self.context_parallel.step(cache, seq)
             if step.sharded:  # this rank's slice of the positions; the mask keeps its global columns
                 input_ids, position_ids = input_ids[:, step.start : step.stop], position_ids[:, step.start : step.stop]
                 if prompt_mask is not None:
                     prompt_mask = prompt_mask[:, step.start : step.stop]
 
-        packing = TokenPacking.of(prompt_mask) if step is None else None
-        if packing is not None:
-            hidden = self._embed(input_ids.reshape(-1).index_select(0, packing.index))
-        else:
-            hidden = self._embed(input_ids)
+        packing = TokenPacking.of(ops, prompt_mask) if step is None else None
+        hidden = self._embed(input_ids if packing is None else packing.pack(input_ids.reshape(-1, 1)).reshape(-1))
         cos, sin = rotary_cos_sin(position_ids, self.inv_freq, hidden.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, attention_mask, cache, prompt_mask, step, packing)
         if packing is not None:
-            hidden = packing.unpack(hidden)
+            hidden = packing.unpack_batch(hidden)
         if step is not None and step.sharded:
             hidden = step.gather_rows(hidden, logits_to_keep)
         elif logits_to_keep:
@@ -409,9 +354,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = self.kernels.project(hidden, head)
         if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
-            parts = [torch.empty_like(logits) for _ in range(self.tp_plan.tp)]
-            dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
-            logits = torch.cat(parts, dim=-1)[..., : self.vocab_size]
+            logits = ops.all_gather(logits, axis=-1, group=self.tp_group)[..., : self.vocab_size]
         return {"logits": logits}
 
     def _embed(self, input_ids):
@@ -538,12 +481,7 @@ def load(
         raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
     budget_bytes()  # HYPER_GEN_TORCH_ONEDNN_GEMM_MB read before any work (a bad value is a ValueError)
     projections = TorchKernels(KernelPlan.open(kernels, "torch", torch.__version__, torch.get_num_threads()))
-    if str(device).startswith("npu") and not npu_available():
-        raise ValueError(f"device {device!r} needs torch_npu and CANN, which are not available here")
-    try:
-        device = torch.device(device or "cpu")
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device {device!r} is not a torch device: {error}") from None
+    device = resolve_device(None if device is None else str(device), dtype)
     config = Qwen3_5Config.from_dict(checkpoint.config)
     shard = describe(checkpoint, config, plan)  # every split checked, before any weight is read
     cp_plan = CPPlan.resolve(cp_plan)
@@ -601,27 +539,14 @@ def _check_group(plan: TPPlan, group) -> None:
 
 
 def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
-    """(tp group, cp group) of this rank in the world's ``tp x cp`` mesh; None is the world group
-    (the one axis of a 1-D mesh). Every rank creates every subgroup, in the same order, as
-    torch.distributed requires."""
-    mesh = Mesh(plan.tp, cp_plan.cp)
+    """(tp group, cp group) of this rank in the world's ``tp x cp`` mesh (``parallel.groups.mesh_groups``)."""
+    size = plan.tp * cp_plan.cp
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
-            f"cp={cp_plan.cp} needs an initialised torch.distributed process group: launch {mesh.size} processes "
-            f"(torchrun --nproc_per_node {mesh.size}) and load with hyper_gen.load_model(..., cp={cp_plan.cp}), "
+            f"cp={cp_plan.cp} needs an initialised torch.distributed process group: launch {size} processes "
+            f"(torchrun --nproc_per_node {size}) and load with hyper_gen.load_model(..., cp={cp_plan.cp}), "
             "which joins the job"
         )
     rank = dist.get_rank()
-    check_mesh(plan, cp_plan, dist.get_world_size(), rank, f"torchrun --nproc_per_node {mesh.size}", "torch")
-    if plan.tp == 1:
-        return group, None
-    tp_group = cp_group = None
-    for ranks in mesh.tp_groups():
-        made = dist.new_group(ranks)
-        if rank in ranks:
-            tp_group = made
-    for ranks in mesh.cp_groups():
-        made = dist.new_group(ranks)
-        if rank in ranks:
-            cp_group = made
-    return (group if group is not None else tp_group), cp_group
+    check_mesh(plan, cp_plan, dist.get_world_size(), rank, f"torchrun --nproc_per_node {size}", "torch")
+    return mesh_groups(plan, cp_plan, rank, group, lambda name, ranks, member: dist.new_group(ranks))
