@@ -26,6 +26,20 @@ def cpu_model_and_flags():
     return model, [isa for isa in _ISA if isa in flags]
 
 
+def last_level_cache_bytes() -> int:
+    """This host's largest CPU cache (Linux sysfs), or 32 MiB where it cannot be read."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
 def describe_host(threads=None) -> str:
     """One line: CPU model, the ISA extensions that decide kernel speed, cores, and the threads used."""
     model, isa = cpu_model_and_flags()

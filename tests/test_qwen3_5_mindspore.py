@@ -138,9 +138,10 @@ def test_left_padded_prefill_packs_the_real_tokens(path, monkeypatch, variant, d
 def test_a_head_streamed_from_memory_is_read_in_narrow_blocks_on_cpu():
     """The LM head is cut into blocks of up to 65536 columns, and of ~8K on CPU once it is larger
     than the last-level cache (a 1 GB head read faster so; docs/performance.md)."""
+    from hyper_gen import host
     from hyper_gen.backends.mindspore import matmul_widths
 
-    cache = matmul_widths.last_level_cache_bytes()
+    cache = host.last_level_cache_bytes()
     assert cache >= 1 << 20
     assert matmul_widths.streamed_columns(2 * cache, cache) == matmul_widths.STREAMED_HEAD_COLUMNS == 8192
     assert matmul_widths.streamed_columns(cache // 2, cache) == matmul_widths.HEAD_COLUMNS

@@ -55,3 +55,18 @@ def mesh_groups(plan: TPPlan, cp_plan: CPPlan, rank: int, group, make_group):
             if rank in ranks:
                 mine[axis] = made
     return (group if group is not None else mine["tp"]), mine["cp"]
+
+
+def shard_groups(ops, plan: TPPlan, cp_plan: CPPlan, group, launch: str, backend: str, make_group):
+    """(tp group, cp group) a port loads its shard for, every check made first: with cp > 1 the
+    world must be the mesh (its subgroups made by ``mesh_groups``), with tp > 1 the tp group must
+    be the plan's. ``ops`` answers the world's and the groups' size and rank; ``launch`` is the
+    launcher's command for the messages."""
+    cp_group = None
+    if cp_plan.cp > 1:
+        rank = ops.rank()
+        check_mesh(plan, cp_plan, ops.world_size(), rank, launch, backend)
+        group, cp_group = mesh_groups(plan, cp_plan, rank, group, make_group)
+    if plan.tp > 1:
+        check_tp_group(plan, group, ops.world_size(group), ops.rank(group), launch)
+    return group, cp_group

@@ -1,15 +1,7 @@
 """The output width a MindSpore CPU projection is stored with, and the LM head's block columns,
-chosen once per host through the model's ``KernelPlan`` (``hyper_gen.kernel_plan``).
-
-MindSpore's CPU MatMul runs some output widths several times slower than one 64 columns wider:
-(M, 512) @ (512, 3072), (1024, 5120) and (1024, 7168), the fused MLP and attention projections
-of the bench's Qwen3.5 shapes, reach a third to a half of the rate of their +64 neighbours at
-prefill row counts (docs/performance.md), and which widths suffer depends on the host. So a fused
-projection's width is timed against one zero-padded candidate and the faster kept; the model
-ignores the padding columns (and, for the MLP, multiplies them by zero rows of the down
-projection). A padded width sums its columns in another order, so the choice is the plan's:
-made once per host and shape (``kernels="auto"``), pinned (a plan file) or none (``"plain"``:
-the checkpoint's widths). Devices other than the CPU keep the checkpoint's widths.
+chosen once per host through the model's ``KernelPlan`` (``hyper_gen.kernel_plan``): some CPU
+MatMul widths run several times slower than one 64 columns wider, depending on the host, and a
+padded width sums its columns in another order (docs/architecture.md, "Kernel plans").
 """
 
 from __future__ import annotations
@@ -19,6 +11,8 @@ import time
 from typing import Callable
 
 import numpy as np
+
+from ... import host
 
 ROWS = 128  # rows of the timed product: a prefill's, where the slow widths cost the most
 MARGIN = 0.8  # the padded width is kept only if it takes at most this share of the time
@@ -95,20 +89,6 @@ def head_key(hidden: int, vocab: int, dtype_name: str) -> str:
     return f"lm_head {hidden}x{vocab} {dtype_name}"
 
 
-def last_level_cache_bytes() -> int:
-    """This host's largest CPU cache (Linux sysfs), or 32 MiB where it cannot be read."""
-    sizes = []
-    for index in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="ascii") as f:
-                text = f.read().strip()
-        except OSError:
-            break
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
-
-
 def streamed_columns(head_bytes: int, cache_bytes: int) -> int:
     """Most columns per LM head block for a head of ``head_bytes`` on a CPU whose last-level cache
     holds ``cache_bytes``: a head larger than it reads faster in narrow blocks."""
@@ -118,5 +98,5 @@ def streamed_columns(head_bytes: int, cache_bytes: int) -> int:
 def head_columns(plan, hidden: int, vocab: int, dtype_name: str, head_bytes: int) -> int:
     """Most columns per LM head block under ``plan`` ("plain": HEAD_COLUMNS)."""
     key = head_key(hidden, vocab, dtype_name)
-    kernel = plan.choose(key, lambda: f"columns:{streamed_columns(head_bytes, last_level_cache_bytes())}")
+    kernel = plan.choose(key, lambda: f"columns:{streamed_columns(head_bytes, host.last_level_cache_bytes())}")
     return HEAD_COLUMNS if kernel == "plain" else _recorded(plan, key, kernel, "columns", 1)

@@ -37,14 +37,6 @@ _DTYPES = {
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 _WIDE = (ms.float64, ms.int64)  # 8-byte dtypes the CPU collectives do not carry exactly
-_NUMPY = {
-    "float16": np.float16,
-    "float32": np.float32,
-    "float64": np.float64,
-    "int32": np.int32,
-    "int64": np.int64,
-    "bool": np.bool_,
-}
 
 
 def dtype_name(dtype) -> str:
@@ -177,7 +169,7 @@ class MindSporeOps:
         if dtype == "bfloat16":
             return ms.Tensor(array.astype(np.float32)).astype(ms.bfloat16)
         if dtype is not None:
-            array = array.astype(_NUMPY[dtype], copy=False)
+            array = array.astype(dtype, copy=False)
         return ms.Tensor(np.ascontiguousarray(array))
 
     def to_numpy(self, x):

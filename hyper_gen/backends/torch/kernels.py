@@ -1,29 +1,11 @@
 """The product each torch projection runs, fixed at load from the model's ``KernelPlan``.
 
-Every projection is ``x @ w`` for an (in, out) weight. On CPU in float32 three products compute it,
-and which is fastest depends on the host (numbers: docs/performance.md):
-
-* ``plain``: ``x @ w`` on (in, out)-contiguous memory (MKL's sgemm; what the Intel hosts MKL was
-  tuned on run best, and the layout a batch-1 decode step streams fastest);
-* ``blocked:<W>``: one ``bmm`` over ``out / W`` contiguous column blocks of the checkpoint's (out, in)
-  memory (``blocked``): twice the rate of the whole product where MKL takes its generic path (an
-  AMD EPYC with AVX2);
-* ``onednn``: oneDNN's inner product on a copy of the weight reordered once into its blocked
-  layout (``torch.ops.mkldnn``, what TorchInductor's CPU weight prepacking runs): the host's full
-  ISA whatever the vendor (an AMD EPYC with AVX-512: 4x MKL's rate at 16 rows).
-
-The three sum in different orders, so a product's last bits depend on which runs: the choice is
-the plan's (``hyper_gen.kernel_plan``), made once per host and shape by ``measure`` under
-``kernels="auto"``, recorded, or pinned, and it never changes after load. Only float32 CPU weights
-of at least ``MIN_ELEMENTS`` are planned: float64 stays bit for bit HF's ``F.linear`` (its (out, in)
-memory), smaller weights are too small for the kernel to matter, and other devices have their own
-GEMM libraries.
-
-A oneDNN copy lives beside the weight (the checkpoint's tensor stays for the tied embedding, state
-dicts and weight updates), stamped with the weight's version counter, so a weight changed in place
-(an optimizer step between rollouts) is packed again, never read stale. Copies stop where they would
-pass ``HYPER_GEN_TORCH_ONEDNN_GEMM_MB`` (default 4096): a weight past the budget, or one being
-trained or made under ``torch.inference_mode`` (no version counter), runs ``plain``.
+Every projection is ``x @ w`` for an (in, out) weight; on CPU in float32 three products compute it
+(``plain``, ``blocked:<W>`` column blocks, ``onednn`` packed), which is fastest depends on the host,
+and they sum in different orders: so the choice is the plan's (``hyper_gen.kernel_plan``), made once
+per host and shape by ``measure`` under ``kernels="auto"``, recorded, or pinned, and it never
+changes after load. What each kernel is and when it wins: docs/architecture.md, "Kernel plans";
+numbers: docs/performance.md.
 """
 
 from __future__ import annotations

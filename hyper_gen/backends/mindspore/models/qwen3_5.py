@@ -30,8 +30,8 @@ from hyper_gen.masks import causal_mask
 from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, LayerShard, ModelShard, MoEShard
 from hyper_gen.parallel.context_parallel import ContextParallel
-from hyper_gen.parallel.cp_plan import CPPlan, Mesh
-from hyper_gen.parallel.groups import check_mesh, check_tp_group, mesh_groups
+from hyper_gen.parallel.cp_plan import CPPlan
+from hyper_gen.parallel.groups import shard_groups
 from hyper_gen.parallel.rank_sum import RankSum
 from hyper_gen.parallel.tp_plan import TPPlan
 from hyper_gen.token_packing import TokenPacking
@@ -244,8 +244,6 @@ def load(
     check_switches()
     plan = TPPlan.resolve(plan)
     cp_plan = CPPlan.resolve(cp_plan)
-    if cp_plan.cp > 1:
-        _check_mesh(plan, cp_plan)
     check_dtype(dtype)
     if checkpoint.architecture not in ARCHITECTURES:
         raise ValueError(
@@ -253,11 +251,9 @@ def load(
             f"supported: {', '.join(ARCHITECTURES)}"
         )
     shard = describe(checkpoint, Qwen3_5Config.from_dict(checkpoint.config), plan)  # splits checked, nothing read
-    cp_group = None
-    if cp_plan.cp > 1:
-        group, cp_group = _mesh_groups(plan, cp_plan, group)
-    if plan.tp > 1:
-        _check_group(plan, group)
+    size = plan.tp * cp_plan.cp
+    launch = f"msrun --worker_num={size} --local_worker_num={size} --join=True app.py"
+    group, cp_group = shard_groups(MindSporeOps(), plan, cp_plan, group, launch, "mindspore", _new_group)
     kernel_plan = KernelPlan.open(kernels, "mindspore", ms.__version__, ms.get_context("runtime_num_threads"))
     kernel_plan.check(matmul_widths.allowed)
     weights = Weights(checkpoint, dtype, kernel_plan)
@@ -267,23 +263,5 @@ def load(
     return model
 
 
-def _check_group(plan: TPPlan, group) -> None:
-    """The group the shard will all-reduce over must be the plan's ``tp`` ranks, this one at ``plan.rank``."""
-    ops_ = MindSporeOps()
-    launch = f"msrun --worker_num={plan.tp}; communication initialised before loading a tensor-parallel shard"
-    check_tp_group(plan, group, ops_.world_size(group), ops_.rank(group), launch)
-
-
-def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
-    """(tp group, cp group) of this rank in the world's ``tp x cp`` mesh (``parallel.groups.mesh_groups``):
-    MindSpore makes a group on its members only."""
-    _check_mesh(plan, cp_plan)
-    make = lambda name, ranks, member: new_group(name, ranks) if member else None  # noqa: E731
-    return mesh_groups(plan, cp_plan, MindSporeOps().rank(), group, make)
-
-
-def _check_mesh(plan: TPPlan, cp_plan: CPPlan) -> Mesh:
-    """The world must be the ``tp x cp`` mesh, this process at the plans' coordinates."""
-    ops_, size = MindSporeOps(), plan.tp * cp_plan.cp
-    launch = f"msrun --worker_num={size} --local_worker_num={size} --join=True app.py"
-    return check_mesh(plan, cp_plan, ops_.world_size(), ops_.rank(), launch, "mindspore")
+def _new_group(name, ranks, member):
+    return new_group(name, ranks) if member else None  # MindSpore makes a group on its members only

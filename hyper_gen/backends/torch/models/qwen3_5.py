@@ -39,7 +39,7 @@ from hyper_gen.models.qwen3_5.shards import (
 )
 from hyper_gen.parallel.context_parallel import ContextParallel, CPStep
 from hyper_gen.parallel.cp_plan import CPPlan, check_ulysses_heads
-from hyper_gen.parallel.groups import check_mesh, check_tp_group, mesh_groups
+from hyper_gen.parallel.groups import shard_groups
 from hyper_gen.parallel.rank_sum import RankSum
 from hyper_gen.parallel.tp_plan import TPPlan
 from hyper_gen.token_packing import TokenPacking
@@ -489,11 +489,8 @@ def load(
         attention = next((layer.mixer for layer in shard.layers if isinstance(layer.mixer, AttentionShard)), None)
         if attention is not None:
             check_ulysses_heads(cp_plan.cp, attention.num_heads, attention.num_kv_heads)
-    cp_group = None
-    if cp_plan.cp > 1:
-        group, cp_group = _mesh_groups(shard.plan, cp_plan, group)
-    if shard.plan.tp > 1:
-        _check_group(shard.plan, group)
+    launch = f"torchrun --nproc_per_node {shard.plan.tp * cp_plan.cp}"
+    group, cp_group = shard_groups(TorchOps(), shard.plan, cp_plan, group, launch, "torch", _new_group)
     w = _Weights(checkpoint, TORCH_DTYPES[dtype], device, projections)
 
     state = {"embed_tokens": w.transposed(vocab_rows(checkpoint, shard, EMBED_TOKENS, w.read_dtype))}
@@ -525,28 +522,5 @@ def load(
     return model.eval()
 
 
-def _check_group(plan: TPPlan, group) -> None:
-    """The group the shard all-reduces over must be the plan's ``tp`` ranks, this one at ``plan.rank``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"plan tp={plan.tp} needs an initialised torch.distributed process group: launch {plan.tp} processes "
-            f"(torchrun --nproc_per_node {plan.tp}) and load with hyper_gen.load_model(..., tp={plan.tp}), which "
-            "joins the job"
-        )
-    check_tp_group(
-        plan, group, dist.get_world_size(group), dist.get_rank(group), f"torchrun --nproc_per_node {plan.tp}"
-    )
-
-
-def _mesh_groups(plan: TPPlan, cp_plan: CPPlan, group):
-    """(tp group, cp group) of this rank in the world's ``tp x cp`` mesh (``parallel.groups.mesh_groups``)."""
-    size = plan.tp * cp_plan.cp
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"cp={cp_plan.cp} needs an initialised torch.distributed process group: launch {size} processes "
-            f"(torchrun --nproc_per_node {size}) and load with hyper_gen.load_model(..., cp={cp_plan.cp}), "
-            "which joins the job"
-        )
-    rank = dist.get_rank()
-    check_mesh(plan, cp_plan, dist.get_world_size(), rank, f"torchrun --nproc_per_node {size}", "torch")
-    return mesh_groups(plan, cp_plan, rank, group, lambda name, ranks, member: dist.new_group(ranks))
+def _new_group(name, ranks, member):
+    return dist.new_group(ranks)  # torch.distributed: every rank makes every group
