@@ -278,7 +278,11 @@ def test_cp_model_refuses_a_multi_token_continuation(paths):
     from hyper_gen.parallel.context_parallel import ContextParallel
     from hyper_gen.parallel.cp_plan import CPPlan
 
-    with pytest.raises(ValueError, match=re.escape("tp=1 x cp=2 needs 2 ranks (tp * cp) but this process is rank 0 of a 1-rank world: launch 2 processes (torchrun --nproc_per_node 2)")):
+    refusal = (
+        "tp=1 x cp=2 needs 2 ranks (tp * cp) but this process is rank 0 of a 1-rank world: "
+        "launch 2 processes (torchrun --nproc_per_node 2)"
+    )
+    with pytest.raises(ValueError, match=re.escape(refusal)):
         qwen3_5.load(Checkpoint(paths["dense"]), "float32", cp_plan=CPPlan(2, 0))
     model = qwen3_5.load(Checkpoint(paths["dense"]), "float32")
     model.context_parallel = ContextParallel(CPPlan(2, 0), TorchOps("cpu"))

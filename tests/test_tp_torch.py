@@ -168,7 +168,8 @@ def test_tp_that_does_not_divide_the_heads_fails_before_any_weight_is_read(paths
 def test_tp_plan_without_a_process_group_is_refused(paths, no_weight_reads, single_process):
     from hyper_gen.backends.torch.models import qwen3_5
 
-    with pytest.raises(ValueError, match=re.escape("plan tp=2 but the world group has 1 rank(s): launch 2 processes (torchrun --nproc_per_node 2)")):
+    refusal = "plan tp=2 but the world group has 1 rank(s): launch 2 processes (torchrun --nproc_per_node 2)"
+    with pytest.raises(ValueError, match=re.escape(refusal)):
         qwen3_5.load(Checkpoint(paths["dense"]), "float32", plan=TPPlan(2, 1))
     with pytest.raises(TypeError, match="plan must be a hyper_gen.parallel.tp_plan.TPPlan"):
         qwen3_5.load(Checkpoint(paths["dense"]), "float32", plan=(2, 1))
