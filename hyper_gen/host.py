@@ -40,6 +40,24 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def bind_threads_to_share(local: int, size: int) -> str:
+    """Bind every thread of this process to local rank ``local``'s share of the ``size`` local
+    ranks' cores (as ``msrun --bind_core=True`` does), for ranks sharing one host whose runtimes keep
+    busy helper threads; returns what it did. Nothing is changed when this process may run on fewer
+    cores than there are local ranks (bound already); cores left after an even split stay unused."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // size
+    if share == 0:
+        return f"bound to cores {cpus} already"
+    mine = set(cpus[local * share : (local + 1) * share])
+    for task in os.listdir("/proc/self/task"):  # threads made later inherit the main thread's cores
+        try:
+            os.sched_setaffinity(int(task), mine)
+        except OSError:  # a thread that has just exited
+            pass
+    return f"each local rank's bound to {share} core{'s' if share > 1 else ''}"
+
+
 def describe_host(threads=None) -> str:
     """One line: CPU model, the ISA extensions that decide kernel speed, cores, and the threads used."""
     model, isa = cpu_model_and_flags()

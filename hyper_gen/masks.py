@@ -58,3 +58,16 @@ def causal_mask(seq: int, past: int, total: int, dtype: str) -> np.ndarray:
     past + i) sees the columns <= past + i (a model port's default, every row unpadded)."""
     hidden = np.arange(total)[None, :] > np.arange(past, past + seq)[:, None]
     return np.where(hidden, min_finite(dtype), 0.0).astype(_host_dtype(dtype))[None, None]
+
+
+def contract_defaults(ops, cache, batch: int, seq: int, position_ids, attention_mask, dtype: str):
+    """A port's ``position_ids`` and ``attention_mask`` where the contract's caller gave None:
+    positions continuing from the cache, and the causal mask over its columns (a static cache's
+    whole buffer) with no padding."""
+    past = cache.seq_length if cache is not None else 0
+    if position_ids is None:
+        position_ids = ops.asarray(np.tile(np.arange(past, past + seq), (batch, 1)))
+    if attention_mask is None:
+        total = cache.max_length if cache is not None and cache.is_static else past + seq
+        attention_mask = ops.asarray(causal_mask(seq, past, total, dtype), dtype)
+    return position_ids, attention_mask

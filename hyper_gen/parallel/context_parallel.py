@@ -88,6 +88,10 @@ class CPStep:
         self.sharded = layout.sharded and not decode
         self.start, self.stop = layout.slice_of(self.rank)
 
+    def local_positions(self, *xs):
+        """(B, S, ...) inputs (None passes) cut to this rank's positions in a sharded prefill."""
+        return [x if x is None or not self.sharded else _narrow(x, 1, self.start, self.stop) for x in xs]
+
     # ------------------------------------------------------------------ attention's K/V
 
     def store_prefill(self, cache, layer_idx: int, key: Tensor, value: Tensor) -> None:

@@ -16,7 +16,8 @@ from typing import Optional
 import mindspore as ms
 import numpy as np
 
-from .ops import MindSporeOps, bind_local_rank_cores, ms_dtype
+from .launch import bind_local_rank_cores
+from .ops import MindSporeOps, ms_dtype
 
 NAME = "mindspore"
 # context-parallel prefill strategies load_model may use here: no all-to-all for Ulysses

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 
+from hyper_gen import host
 from hyper_gen.parallel.launcher import TIMEOUT_ENV, collective_timeout_s
 
 CPU_TIMEOUT_ENV = "MS_CPU_COMM_OP_TIMEOUT"
@@ -51,3 +52,15 @@ def shutdown() -> None:
 
     if GlobalComm.INITED:
         release()
+
+
+def bind_local_rank_cores() -> str:
+    """Each local rank's threads on its own cores (``hyper_gen.host.bind_threads_to_share``) when
+    distributed: MindSpore's CPU runtime keeps busy helper threads in every process (the kernel
+    pool's threads spin on ``sched_yield`` between kernels), so ranks sharing a host's cores stall
+    each other, and ranks that meet in a collective per layer wait on every stall (docs/performance.md)."""
+    from mindspore.communication import GlobalComm, get_local_rank, get_local_rank_size
+
+    if not GlobalComm.INITED:
+        return "MindSpore's default CPU threads (not distributed: not bound)"
+    return "MindSpore's default CPU threads, " + host.bind_threads_to_share(get_local_rank(), get_local_rank_size())

@@ -18,7 +18,6 @@ of an SPMD model (a tp x cp mesh) do; on Ascend (HCCL) subgroups are native.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import mindspore as ms
 import numpy as np
@@ -77,37 +76,6 @@ def new_group(name: str, ranks) -> str:
     return name
 
 
-def bind_local_rank_cores() -> str:
-    """Bind every thread of this process to this rank's share of the cores it may run on, as
-    ``msrun --bind_core=True`` does; returns what it did. For ranks sharing one host (benchmarks).
-
-    MindSpore's CPU runtime keeps busy helper threads in every process (the kernel pool's actor
-    and kernel threads spin on ``sched_yield`` between kernels; the jit pipeline's frontend queue
-    launches compiled graphs), so ranks sharing a host's cores stall each other, and ranks that meet
-    in a collective per attention layer (context parallelism) wait on every such stall
-    (docs/performance.md).
-
-    Nothing is changed when not distributed, or when this process may run on fewer cores than
-    there are local ranks (msrun --bind_core or taskset bound it already); cores left over after
-    an even split stay unused."""
-    if not _communication_ready():
-        return "MindSpore's default CPU threads (not distributed: not bound)"
-    from mindspore.communication import get_local_rank, get_local_rank_size
-
-    cpus = sorted(os.sched_getaffinity(0))
-    local, size = get_local_rank(), get_local_rank_size()
-    share = len(cpus) // size
-    if share == 0:
-        return f"MindSpore's default CPU threads, bound to cores {cpus} already"
-    mine = set(cpus[local * share : (local + 1) * share])
-    for task in os.listdir("/proc/self/task"):  # threads made later inherit the main thread's cores
-        try:
-            os.sched_setaffinity(int(task), mine)
-        except OSError:  # a thread that has just exited
-            pass
-    return f"MindSpore's default CPU threads, each local rank's bound to {share} core{'s' if share > 1 else ''}"
-
-
 def _members(group) -> list:
     """World ranks of ``group`` in group rank order."""
     if group not in _GROUP_MEMBERS:
@@ -124,11 +92,12 @@ def _over_world(group) -> bool:
     return group is not None and group != GlobalComm.WORLD_COMM_GROUP and ms.get_context("device_target") == "CPU"
 
 
-def _world_gather(x):
-    """The world AllGather of ``x`` (float64 / int64 as int32 words: exact)."""
+def _world_gather(x, group=None):
+    """The AllGather of ``x`` over ``group`` (None: the world); float64 / int64 as int32 words: exact."""
+    gather = ops.AllGather() if group is None else ops.AllGather(group=group)
     if x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
-        return ops.AllGather()(x.view(ms.int32)).view(x.dtype)
-    return ops.AllGather()(x)
+        return gather(x.view(ms.int32)).view(x.dtype)
+    return gather(x)
 
 
 def _group_gather(x, group):
@@ -279,10 +248,8 @@ class MindSporeOps:
         with _naming_timeouts("AllGather", self):
             if _over_world(group):  # CPU: a subgroup's AllGather is a world one (module docstring)
                 gathered = _group_gather(x, group)
-            elif x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
-                gathered = ops.AllGather(group=self._group(group))(x.view(ms.int32)).view(x.dtype)
             else:
-                gathered = ops.AllGather(group=self._group(group))(x)  # stacks along axis 0
+                gathered = _world_gather(x, self._group(group))  # stacks along axis 0
         if axis % x.ndim == 0:
             return gathered
         parts = ops.split(gathered, x.shape[0], axis=0)

@@ -26,13 +26,13 @@ from hyper_gen.backends.mindspore.primitives import add, numpy_dtype, rms_norm, 
 from hyper_gen.backends.mindspore.weights import Weights, check_dtype
 from hyper_gen.cache import DynamicCache
 from hyper_gen.kernel_plan import KernelPlan
-from hyper_gen.masks import causal_mask
-from hyper_gen.models.qwen3_5 import ARCHITECTURES, Qwen3_5Config, describe
+from hyper_gen.masks import contract_defaults
+from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, LayerShard, ModelShard, MoEShard
-from hyper_gen.parallel.context_parallel import ContextParallel
 from hyper_gen.parallel.cp_plan import CPPlan
 from hyper_gen.parallel.groups import shard_groups
 from hyper_gen.parallel.rank_sum import RankSum
+from hyper_gen.parallel.sharded_model import set_parallel, whole_vocabulary
 from hyper_gen.parallel.tp_plan import TPPlan
 from hyper_gen.token_packing import TokenPacking
 
@@ -97,23 +97,12 @@ class Qwen3_5ForCausalLM(nn.Cell):
         cfg, plan = shard.config, shard.plan
         self.config = cfg
         self.vocab_size = cfg.vocab_size
-        self.tp_plan = plan
-        self.tp_group = group
-        self.cp_plan = CPPlan.resolve(cp_plan)
-        self.context_parallel = ContextParallel(self.cp_plan, MindSporeOps(), cp_group) if self.cp_plan.cp > 1 else None
+        set_parallel(self, plan, group, cp_plan, cp_group, MindSporeOps())
         self.vocab_start, self.vocab_stop = shard.vocab_start, min(shard.vocab_stop, cfg.vocab_size)  # real ids here
         blocks, self.head_columns = weights.lm_head(shard)
         self.lm_head = ParameterTuple(blocks)
         self.embed_tokens = None if shard.lm_head is None else weights.param(weights.vocab_rows(shard, EMBED_TOKENS))
         self.partial_sum = RankSum(MindSporeOps(), plan.tp, group)
-        if self.cp_plan.cp > 1:
-            # generate() checks inputs and agrees on tokens over every rank of the job (the tp x cp
-            # mesh); the logits are whole on every rank (vocab blocks gathered over the tp group here)
-            self.parallel_group = None
-            self.vocab_parallel = False
-        elif plan.tp > 1:
-            self.parallel_group = group
-            self.vocab_parallel = True
         self.layers = nn.CellList(
             [DecoderLayer(cfg, weights, layer, i, self.partial_sum) for i, layer in enumerate(shard.layers)]
         )
@@ -179,19 +168,15 @@ class Qwen3_5ForCausalLM(nn.Cell):
         cache = past_key_values
         if cache is None:
             cache = DynamicCache(MindSporeOps(), b, s)
-        if position_ids is None:
-            position_ids = Tensor(np.tile(np.arange(cache.seq_length, cache.seq_length + s), (b, 1)))
-        if attention_mask is None:
-            total = cache.max_length if cache.is_static else cache.seq_length + s
-            name = dtype_name(self.dtype)
-            attention_mask = MindSporeOps().asarray(causal_mask(s, cache.seq_length, total, name), name)
+        position_ids, attention_mask = contract_defaults(
+            MindSporeOps(), cache, b, s, position_ids, attention_mask, dtype_name(self.dtype)
+        )
         cp_step = None
         if self.context_parallel is not None:
             cp_step = self.context_parallel.step(cache, s)
-            if cp_step.sharded:  # this rank's slice of the positions; the mask keeps its global columns
-                input_ids = input_ids[:, cp_step.start : cp_step.stop]
-                position_ids = position_ids[:, cp_step.start : cp_step.stop]
-                s = cp_step.stop - cp_step.start
+            # this rank's slice of the positions in a sharded prefill; the mask keeps its global columns
+            input_ids, position_ids = cp_step.local_positions(input_ids, position_ids)
+            s = input_ids.shape[1]
         prompt_mask = cache.prompt_mask if cp_step is None and cache.seq_length == 0 else None
         packing = TokenPacking.of(MindSporeOps(), prompt_mask)
         compiled = s == 1 and self._compile_gate.allows(b, cache.is_static, self.decode_compile_after)
@@ -215,9 +200,7 @@ class Qwen3_5ForCausalLM(nn.Cell):
             x = x.reshape(b, s, -1)[:, -kept:].reshape(b * kept, -1)
         # (a prefill's last row is a view: a new graph key)
         logits = block(layers.head_rows, compiled=kept == 1 and compiled)(x, self.eps, self.norm, *self.lm_head)
-        if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
-            logits = MindSporeOps().all_gather(logits, axis=-1, group=self.tp_group)[..., : self.vocab_size]
-        return {"logits": logits.reshape(b, kept, -1)}
+        return {"logits": whole_vocabulary(self, logits, MindSporeOps()).reshape(b, kept, -1)}
 
 
 def load(
@@ -245,11 +228,6 @@ def load(
     plan = TPPlan.resolve(plan)
     cp_plan = CPPlan.resolve(cp_plan)
     check_dtype(dtype)
-    if checkpoint.architecture not in ARCHITECTURES:
-        raise ValueError(
-            f"checkpoint {checkpoint.path!r} has architecture {checkpoint.architecture or None!r}; "
-            f"supported: {', '.join(ARCHITECTURES)}"
-        )
     shard = describe(checkpoint, Qwen3_5Config.from_dict(checkpoint.config), plan)  # splits checked, nothing read
     size = plan.tp * cp_plan.cp
     launch = f"msrun --worker_num={size} --local_worker_num={size} --join=True app.py"

@@ -23,7 +23,7 @@ from hyper_gen.backends.torch.kernels import PLAIN, TorchKernels, budget_bytes
 from hyper_gen.backends.torch.layers import ZeroCentredRMSNorm, apply_rotary, rotary_cos_sin, rotary_inverse_frequencies
 from hyper_gen.backends.torch.ops import TorchOps, dtype_name
 from hyper_gen.kernel_plan import KernelPlan
-from hyper_gen.masks import causal_mask
+from hyper_gen.masks import contract_defaults
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import (
@@ -37,10 +37,11 @@ from hyper_gen.models.qwen3_5.shards import (
     MoEShard,
     vocab_rows,
 )
-from hyper_gen.parallel.context_parallel import ContextParallel, CPStep
+from hyper_gen.parallel.context_parallel import CPStep
 from hyper_gen.parallel.cp_plan import CPPlan, check_ulysses_heads
 from hyper_gen.parallel.groups import shard_groups
 from hyper_gen.parallel.rank_sum import RankSum
+from hyper_gen.parallel.sharded_model import set_parallel, whole_vocabulary
 from hyper_gen.parallel.tp_plan import TPPlan
 from hyper_gen.token_packing import TokenPacking
 
@@ -283,18 +284,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         config, plan = shard.config, shard.plan
         self.config = config
         self.vocab_size = config.vocab_size
-        self.tp_plan = plan
-        self.tp_group = group
-        self.cp_plan = CPPlan.resolve(cp_plan)
-        self.context_parallel = ContextParallel(self.cp_plan, TorchOps(), cp_group) if self.cp_plan.cp > 1 else None
-        if self.cp_plan.cp > 1:
-            # generate() checks inputs and agrees on tokens over every rank of the job (the tp x cp
-            # mesh); the logits are whole on every rank (vocab blocks gathered over the tp group here)
-            self.parallel_group = None
-            self.vocab_parallel = False
-        elif plan.tp > 1:
-            self.parallel_group = group
-            self.vocab_parallel = True
+        set_parallel(self, plan, group, cp_plan, cp_group, TorchOps())
         self.vocab_start, rows = shard.vocab_start, shard.vocab_stop - shard.vocab_start
         self.rank_sum = RankSum(TorchOps(), plan.tp, group)
         # the embedding matrix transposed, (H, rows): a lookup gathers columns; when tied it is
@@ -318,25 +308,18 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.embed_tokens.device
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
-        cache = past_key_values
+        cache, ops = past_key_values, TorchOps(input_ids.device)
         batch, seq = input_ids.shape
-        past = cache.seq_length if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
-        if attention_mask is None:
-            total = cache.max_length if cache is not None and cache.is_static else past + seq
-            dtype = dtype_name(self.dtype)
-            attention_mask = TorchOps(input_ids.device).asarray(causal_mask(seq, past, total, dtype), dtype)
-        prompt_mask = cache.prompt_mask if cache is not None and past == 0 else None
-        ops = TorchOps(input_ids.device)
+        position_ids, attention_mask = contract_defaults(
+            ops, cache, batch, seq, position_ids, attention_mask, dtype_name(self.dtype)
+        )
+        prompt_mask = cache.prompt_mask if cache is not None and cache.seq_length == 0 else None
         step = None
         if self.context_parallel is not None:
             self.context_parallel.ops = ops  # CP buffers where the model runs
             step = self.context_parallel.step(cache, seq)
-            if step.sharded:  # this rank's slice of the positions; the mask keeps its global columns
-                input_ids, position_ids = input_ids[:, step.start : step.stop], position_ids[:, step.start : step.stop]
-                if prompt_mask is not None:
-                    prompt_mask = prompt_mask[:, step.start : step.stop]
+            # this rank's slice of the positions in a sharded prefill; the mask keeps its global columns
+            input_ids, position_ids, prompt_mask = step.local_positions(input_ids, position_ids, prompt_mask)
 
         packing = TokenPacking.of(ops, prompt_mask) if step is None else None
         hidden = self._embed(input_ids if packing is None else packing.pack(input_ids.reshape(-1, 1)).reshape(-1))
@@ -352,10 +335,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = self.kernels.project(hidden, head)
-        if self.context_parallel is not None and self.tp_plan.tp > 1:  # whole vocabulary on every rank
-            logits = ops.all_gather(logits, axis=-1, group=self.tp_group)[..., : self.vocab_size]
-        return {"logits": logits}
+        return {"logits": whole_vocabulary(self, self.kernels.project(hidden, head), ops)}
 
     def _embed(self, input_ids):
         if self.tp_plan.tp == 1:
