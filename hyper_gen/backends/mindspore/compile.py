@@ -1,14 +1,6 @@
-"""When and how a MindSpore model's one-token blocks run as compiled graphs (``mindspore.jit``).
-
-A one-token step runs hundreds of small kernels; launched one by one from Python (PyNative) each
-pays the dispatch cost again. The decode step is therefore written as functions of tensors (the
-``*_rows`` functions of the layers, weights as arguments, sizes as leading static arguments) that
-``block`` either jits once per (function, sizes) or calls as they are: the compiled graph and the
-PyNative step are the same code, and give the same bits. What runs compiled is decided here: every
-one-token step unless ``$HYPER_GEN_MINDSPORE_JIT=0``, a dynamic cache's only once its batch size is
-in steady use (``CompileGate``). The graphs run with Ctrl-C kept a KeyboardInterrupt
-(``keeping_ctrl_c``): MindSpore's own handler would end the process.
-"""
+"""When and how a MindSpore model's one-token blocks run as compiled graphs (``mindspore.jit``):
+``block`` jits a ``*_rows`` function once per (function, sizes) or calls it as it is (the same
+bits); ``CompileGate`` decides which steps run compiled (docs/architecture.md, "MindSpore on CPU")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""A MindSpore model's one-token decode step, written once for graphs and PyNative.
-
-The step is the layers' ``*_rows`` functions (``layers``, ``gated_deltanet``): a Gated DeltaNet
-mixer, attention up to its cache and after it, the MLP, the final norm with the LM head.
-``layer_step`` runs a decoder layer's blocks one by one, jitted or called as they are
-(``compile.block``), with what cannot be in a graph between them in PyNative: MoE routing (host),
-the tensor-parallel sums (collectives), attention over a dynamic or context-parallel cache (its
-length grows every step). A graph launch from Python costs far more than the kernels of a small
-block (docs/performance.md), so a dense tp-1 model's compiled steps run the same blocks, a stretch
-of them as one graph (``segment_rows``): with a static cache, whose buffers have a fixed length,
-the whole step, its cache writes and attention included; else one graph from each attention core
-to the next.
-"""
+"""A MindSpore model's one-token decode step, written once for graphs and PyNative: a decoder
+layer's ``*_rows`` blocks one by one (``layer_step``), or a dense tp-1 model's stretch of them as
+one graph (``segment_rows``; docs/architecture.md, "MindSpore on CPU")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Gated DeltaNet in MindSpore, as HF's Qwen3.5 computes it: a causal depthwise conv, the gated
-delta rule (chunked over a prefill, one recurrent step a decode token) and a gated RMSNorm, with
-packed prefill rows and context parallelism (the conv halo and the recurrent-state relay).
-
-A prefill runs ``GatedDeltaNet.construct``: the conv as a sum of shifted products (no float64
-conv1d kernel on CPU) and the delta rule chunk by chunk (``chunk_terms`` / ``chunk_scan``). A
-decode step runs ``delta_step_rows`` (compiled or not: ``compile.block``). Both end in the gated
-norm and out_proj (``gated_output``).
-"""
+"""Gated DeltaNet in MindSpore, as HF's Qwen3.5 computes it: a causal depthwise conv (a sum of
+shifted products: no float64 conv1d kernel on CPU), the gated delta rule (``chunk_terms`` /
+``chunk_scan`` over a prefill, ``delta_step_rows`` a decode token) and a gated RMSNorm, with packed
+prefill rows and context parallelism (the conv halo and the recurrent-state relay)."""
 
 from __future__ import annotations
 

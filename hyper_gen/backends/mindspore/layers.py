@@ -1,13 +1,7 @@
 """The layers of the MindSpore model ports but Gated DeltaNet (``gated_deltanet``): gated attention,
-the dense and sparse MLPs, the final norm and LM head, with rotary tables.
-
-Layers take and return 2-D (B * S, hidden) activations; ``b, s`` give the batch and length. A
-layer's ``construct`` runs a sequence (a prefill, or a one-token forward without a decode state);
-a one-token decode step runs its ``*_rows`` functions instead: functions of tensors with the
-weights as arguments and the sizes as leading static ones, which ``compile.block`` jits or calls
-as they are (``decode.layer_step``). Sub-cells are called through ``construct``: ``Cell.__call__``
-adds a per-call overhead.
-"""
+the dense and sparse MLPs, the final norm and LM head, with rotary tables, on 2-D (B * S, hidden)
+activations. ``construct`` runs a sequence, the ``*_rows`` functions a decode step (``decode``);
+sub-cells are called through ``construct``: ``Cell.__call__`` adds a per-call overhead."""
 
 from __future__ import annotations
 

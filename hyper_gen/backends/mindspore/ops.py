@@ -1,19 +1,5 @@
-"""The ops protocol for MindSpore (CPU here; Ascend through the same calls).
-
-MindSpore 2.10 CPU facts this adapter works around (design guide): many ``mint`` ops have no CPU
-kernel, so ``mindspore.ops`` is used where mint lacks one; in-place tensor ops silently do
-nothing, so writes use slice assignment, which MindSpore honours; sort/topk/multinomial return
-int32 indices, cast here to int64 as torch returns.
-
-Communication groups: ``new_group(name, ranks)`` makes a subgroup of the world (``create_group``,
-on the member ranks only: MindSpore CPU refuses a group without the calling rank). MindSpore 2.10's
-CPU AllReduce runs on such a subgroup, but its AllGather and Broadcast take the world group only
-("AllGather only support mccl_world_group on CPU"), so on CPU ``all_gather`` / ``broadcast`` over a
-subgroup are one world AllGather (after a small one that agrees on the largest shape, since other
-groups may gather other shapes at the same time), of which the group's members are kept, in group
-rank order. Every rank of the world must then make the same call at the same point, as the ranks
-of an SPMD model (a tp x cp mesh) do; on Ascend (HCCL) subgroups are native.
-"""
+"""The ops protocol for MindSpore (CPU here; Ascend through the same calls). Why it casts, writes by
+slice assignment and gathers a CPU subgroup over the world: docs/architecture.md, "MindSpore on CPU"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The ops the MindSpore model ports are written in, made once.
-
-Decode speed on CPU is per-op overhead (a fixed cost per op, whatever its size) plus the weight
-reads, so the layers are written for the fewest and cheapest kernels: primitive instances made once
-instead of Tensor operators (a primitive call costs less), the cheaper of two kernels for the same
-values (``product``), copies by Gather instead of strided views (``take``). Each choice's reason is
-at its definition, its measurements in docs/performance.md. mint ops without CPU kernels are
-avoided, and nothing relies on in-place ops (they silently do nothing on CPU).
-"""
+"""The ops the MindSpore model ports are written in, made once, for the fewest and cheapest CPU
+kernels (docs/architecture.md, "MindSpore on CPU"); each choice's reason is at its definition."""
 
 from __future__ import annotations
 

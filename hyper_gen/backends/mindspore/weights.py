@@ -1,13 +1,6 @@
-"""How a MindSpore model's weights are laid out at load (numpy): only the arrays ``Checkpoint.read``
-returns for this rank's pieces (``hyper_gen.models.qwen3_5.shards`` names them), for the kernels of
-CPU decode (measurements: docs/performance.md). Every projection is stored transposed, (in, out),
-and applied as ``x @ W`` on 2-D (tokens, features) activations: much faster on MindSpore CPU than
-``linear`` with the checkpoint's (out, in) layout, and 2-D matmuls beat 3-D ones for one decode row.
-Projections that read the same input are one matrix (fewer, larger ops: ``projection``), stored at
-the kernel plan's width (``fast_width``), with the RMSNorm weight that feeds them folded into their
-rows (a norm is then five small ops). Heads, experts and the vocabulary stay contiguous along the
-``out`` axis, so a tensor-parallel rank's pieces are contiguous blocks of them.
-"""
+"""How a MindSpore model's weights are laid out at load (numpy), from the arrays ``Checkpoint.read``
+returns for this rank's pieces: (in, out) projections for 2-D rows, fused where they read the same
+input, at the kernel plan's width, norm weights folded in (docs/architecture.md, "Weights")."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""What generate() needs to know about a model its trainer sharded with torch's own APIs.
-
-- FSDP2 (``fully_shard``: modules become ``FSDPModule``) and FSDP1 (``FullyShardedDataParallel``)
-  all-gather parameters inside every forward, as do DTensor parameters of any kind: ranks must
-  step together (``collective_forward``).
-- ``parallelize_module`` tensor parallelism leaves DTensor weights on a device mesh; an output
-  layer sharded by rows (``ColwiseParallel``: ``Shard(0)`` of (V, H)) gives each rank its slice of
-  the vocabulary (``find_parallelism``: that mesh's group, vocab-parallel). On a 2-D mesh
-  (``init_device_mesh(..., ("dp", "tp"))`` with the model parallelized on ``mesh["tp"]``) the
-  weight lives on the 1-D ``tp`` sub-mesh, so the group is the tensor-parallel one and each
-  data-parallel group keeps its own prompts; FSDP2 over that (``fully_shard(..., mesh=mesh["dp"])``)
-  is found on the weight's 2-D mesh, the tensor-parallel group being its last dimension.
-- ``parameters_unsharded``: FSDP2's ``unshard()`` on every FSDP module for the whole call, with
-  resharding after each forward switched off meanwhile (FSDP2 reshards in every post-forward
-  hook otherwise, undoing an ``unshard()`` after the first forward), then ``reshard()`` and the
-  module's own setting back, so decode does not all-gather every layer every token.
-"""
+"""What generate() needs to know about a model its trainer sharded with torch's own APIs: FSDP2 /
+FSDP1 / DTensor parameters (ranks step together), ``parallelize_module``'s vocab-parallel output
+layer on a 1-D or 2-D mesh, and ``parameters_unsharded`` (docs/architecture.md, "Trainer-sharded torch models")."""
 
 from __future__ import annotations
 
