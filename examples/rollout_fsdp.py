@@ -37,6 +37,12 @@ parser.add_argument("--samples", type=int, default=4, help="samples per prompt (
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--max-new-tokens", type=int, default=12)
 parser.add_argument("--temperature", type=float, default=2.0, help="high: the demo model is very sure of its answers")
+parser.add_argument(
+    "--sharder",
+    choices=("torch", "hyperparallel"),
+    default="torch",
+    help="whose fully_shard: torch's FSDP2, or HyperParallel's (examples/rollout_hyperparallel.py)",
+)
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # CPU ranks sharing a host
@@ -45,9 +51,18 @@ rank, world = dist.get_rank(), dist.get_world_size()
 
 # 1. the policy, sharded as the trainer shards it
 model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-for layer in model.model.layers:
-    fully_shard(layer)
-fully_shard(model)
+if args.sharder == "hyperparallel":
+    os.environ.setdefault("HYPER_PARALLEL_PLATFORM", "torch")  # it picks MindSpore whenever MindSpore imports
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.core.fully_shard import fully_shard as hyper_fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for layer in model.model.layers:  # the root stays whole: HyperParallel splits dim 0 evenly only, and
+        hyper_fully_shard(layer, mesh=mesh)  # the demo's tied embedding has 99 rows
+else:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
 tokenizer = AutoTokenizer.from_pretrained(args.model_dir, padding_side="left")
 
 # 2. this rank's prompts (a data-parallel shard of the rollout batch)

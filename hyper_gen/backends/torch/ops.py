@@ -70,7 +70,7 @@ class TorchOps:
 
     def param_dtype(self, model):
         for param in model.parameters() if isinstance(model, torch.nn.Module) else ():
-            if param.is_floating_point():
+            if param.dtype.is_floating_point:  # an attribute: HyperParallel's DTensor refuses the method
                 return _NAMES[param.dtype]
         return "float32"
 

@@ -1,6 +1,7 @@
-"""What generate() needs to know about a model its trainer sharded with torch's own APIs: FSDP2 /
-FSDP1 / DTensor parameters (ranks step together), ``parallelize_module``'s vocab-parallel output
-layer on a 1-D or 2-D mesh, and ``parameters_unsharded`` (docs/architecture.md, "Trainer-sharded torch models")."""
+"""What generate() needs to know about a model its trainer sharded: torch's FSDP2 / FSDP1 / DTensor
+parameters and HyperParallel's torch ``fully_shard`` (ranks step together), ``parallelize_module``'s
+vocab-parallel output layer on a 1-D or 2-D mesh, and ``parameters_unsharded`` (docs/architecture.md,
+"Trainer-sharded torch models")."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import contextlib
 import torch
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
+
+from hyper_gen.parallel import hyperparallel
 
 _FSDP = (FSDPModule, FullyShardedDataParallel)
 
@@ -22,10 +25,12 @@ def _is_fsdp(model) -> bool:
 
 
 def collective_forward(model) -> bool:
-    """True when a forward of ``model`` runs collectives: FSDP modules or DTensor parameters."""
-    if _is_fsdp(model):
+    """True when a forward of ``model`` runs collectives: FSDP or HyperParallel modules, or DTensor
+    parameters of torch or HyperParallel."""
+    if _is_fsdp(model) or any(hyperparallel.is_sharded_module(m) for m in _modules(model)):
         return True
-    return isinstance(model, torch.nn.Module) and any(isinstance(p, DTensor) for p in model.parameters())
+    params = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    return any(isinstance(p, DTensor) or hyperparallel.is_dtensor(p) for p in params)
 
 
 def _output_layer(model):
@@ -99,7 +104,12 @@ def _outermost_fsdp(module) -> list:
 
 @contextlib.contextmanager
 def parameters_unsharded(model):
-    """FSDP2 modules' parameters all-gathered once for the block (nothing to do for others)."""
+    """FSDP2 or HyperParallel modules' parameters all-gathered once for the block (nothing to do for others)."""
+    hsdp = [m for m in _modules(model) if hyperparallel.is_sharded_module(m)]
+    if hsdp:
+        with hyperparallel.gathered(hsdp):
+            yield
+        return
     fsdp = [m for m in _modules(model) if isinstance(m, FSDPModule)]
     for root in _outermost_fsdp(model):  # what the first forward does: decide the root (its reshard is 'auto')
         root._get_fsdp_state()._lazy_init()

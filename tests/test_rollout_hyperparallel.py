@@ -1,0 +1,98 @@
+"""Rollouts from a model sharded by HyperParallel itself (its torch ``fully_shard``), in a real
+2-rank torchrun job on CPU (gloo): tests/dist_scripts/rollout_hyperparallel.py.
+
+HyperParallel is not on the package index: ``.ci/run`` installs its untouched source from
+``../shared/vendor`` (``pip install --no-deps ../shared/vendor/hyper-parallel-fdd0a80.tar.gz``).
+Without it the job fails, and so do these tests (they never skip)."""
+
+import re
+
+import pytest
+from launch import REPO, script, torchrun
+
+JOB_TIMEOUT_S = 300
+VENDOR = "pip install --no-deps ../shared/vendor/hyper-parallel-fdd0a80.tar.gz"
+
+
+@pytest.fixture(scope="module")
+def job():
+    result = torchrun([script("rollout_hyperparallel.py")], nproc=2, timeout=JOB_TIMEOUT_S)
+    if "No module named 'hyper_parallel'" in result.stderr + result.stdout:
+        pytest.fail(f"HyperParallel is not installed: {VENDOR}")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    lines = {}
+    for rank, check, label, rest in re.findall(r"^rank (\d): (\w+) (\S+) (.*)$", result.stdout, re.M):
+        lines[(int(rank), check, label)] = rest
+    return lines, result.stdout
+
+
+def _line(job, rank, check, label):
+    lines, text = job
+    assert (rank, check, label) in lines, f"no '{check} {label}' line from rank {rank}:\n{text[-4000:]}"
+    return lines[(rank, check, label)]
+
+
+@pytest.mark.distributed
+def test_the_model_is_sharded_by_hyperparallel(job):
+    for rank in (0, 1):
+        assert _line(job, rank, "setup", "type") == "HSDPQwen3_5ForCausalLM hyper_parallel.core.dtensor"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("reshard", ["reshard", "keep"])
+@pytest.mark.parametrize("synced", ["None", "True"])
+@pytest.mark.parametrize("skip", ["False", "True"])
+def test_greedy_equals_hf_generate_on_an_unsharded_copy(job, reshard, synced, skip):
+    """Every way of calling it (the issue's table: synced_gpus None / True, with and without
+    SkipDTensorDispatch), reshard_after_forward True and False; rank 0 stops after 3 tokens while
+    rank 1's rows run on to 16 or their EOS: no hang, HF's tokens on both ranks."""
+    label = f"{reshard}-synced={synced}-skip={skip}"
+    assert _line(job, 0, "greedy", label) == "OK lengths=[3, 3]"
+    assert _line(job, 1, "greedy", label) == "OK lengths=[6, 16, 16]"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", ["auto", "unshard"])
+def test_seeded_sampling_equals_one_process_on_the_concatenated_batch(job, label):
+    for rank in (0, 1):
+        assert _line(job, rank, "seeded", label) == "OK"
+
+
+@pytest.mark.distributed
+def test_n_samples_with_logprobs(job):
+    assert _line(job, 0, "samples", "n=3") == "OK shape=(6, 3)"
+    assert _line(job, 1, "samples", "n=3") == "OK shape=(9, 16)"
+
+
+@pytest.mark.distributed
+def test_unshard_params_gathers_one_round_and_leaves_the_model_sharded(job):
+    for rank in (0, 1):
+        round_ = int(_line(job, rank, "allgathers", "forward").split("=")[1])
+        per_forward = int(_line(job, rank, "allgathers", "per_forward").split("=")[1].split()[0])
+        once = int(_line(job, rank, "allgathers", "unshard").split("=")[1].split()[0])
+        assert round_ > 0 and per_forward == 16 * round_  # 16 forwards (rank 0: dummy steps)
+        assert once == round_
+        assert _line(job, rank, "after", "unshard") == "OK"  # DTensor parameters, settings restored
+        assert _line(job, rank, "after", "raised") == "OK type=RuntimeError"
+
+
+@pytest.mark.distributed
+def test_a_bad_input_on_one_rank_is_raised_on_every_rank(job):
+    failing, waiting = _line(job, 1, "error", "oov"), _line(job, 0, "error", "oov")
+    assert failing.startswith("type=ValueError ") and "is not a token id" in failing
+    assert waiting.startswith("type=RankFailed ") and "failed on rank 1" in waiting
+    for rank in (0, 1):
+        assert _line(job, rank, "after_errors", "greedy") == "OK"
+        assert _line(job, rank, "done", "all") == "ok"
+
+
+@pytest.mark.distributed
+def test_example_rollout_hyperparallel_runs():
+    result = torchrun(
+        [f"{REPO}/examples/rollout_hyperparallel.py", "--samples", "2", "--max-new-tokens", "8"], timeout=JOB_TIMEOUT_S
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = re.findall(r"^rank (\d): rev (\d+) = '(\d*)'", result.stdout, re.M)
+    assert len(rows) == 7 * 2 and {rank for rank, _, _ in rows} == {"0", "1"}, result.stdout
+    assert sum(answer == number[::-1] for _, number, answer in rows) >= 10  # the demo model mostly reverses
+    assert "done: 7 prompts over 2 ranks, 2 samples each" in result.stdout
