@@ -1,5 +1,6 @@
-"""Rollouts from a model sharded by HyperParallel itself (its torch ``fully_shard``), in a real
-2-rank torchrun job on CPU (gloo): tests/dist_scripts/rollout_hyperparallel.py.
+"""Rollouts from a model sharded by HyperParallel itself: its torch ``fully_shard`` in a real 2-rank
+torchrun job on CPU (gloo), tests/dist_scripts/rollout_hyperparallel.py; its MindSpore ``hsdp`` cell
+in a 2-rank msrun job, tests/dist_scripts/rollout_hyperparallel_mindspore.py.
 
 HyperParallel is not on the package index: ``.ci/run`` installs its untouched source from
 ``../shared/vendor`` (``pip install --no-deps ../shared/vendor/hyper-parallel-fdd0a80.tar.gz``).
@@ -8,7 +9,7 @@ Without it the job fails, and so do these tests (they never skip)."""
 import re
 
 import pytest
-from launch import REPO, script, torchrun
+from launch import REPO, msrun, script, torchrun
 
 JOB_TIMEOUT_S = 300
 VENDOR = "pip install --no-deps ../shared/vendor/hyper-parallel-fdd0a80.tar.gz"
@@ -96,3 +97,37 @@ def test_example_rollout_hyperparallel_runs():
     assert len(rows) == 7 * 2 and {rank for rank, _, _ in rows} == {"0", "1"}, result.stdout
     assert sum(answer == number[::-1] for _, number, answer in rows) >= 10  # the demo model mostly reverses
     assert "done: 7 prompts over 2 ranks, 2 samples each" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def mindspore_job(tmp_path_factory):
+    """tests/dist_scripts/rollout_hyperparallel_mindspore.py under msrun: HyperParallel's ``hsdp`` on
+    the native MindSpore demo model (parameters kept whole: its sharded forward has no CPU kernel)."""
+    result = msrun([script("rollout_hyperparallel_mindspore.py")], log_dir=str(tmp_path_factory.mktemp("hp") / "logs"))
+    if "No module named 'hyper_parallel'" in result.worker_logs:
+        pytest.fail(f"HyperParallel is not installed: {VENDOR}")
+    assert result.returncode == 0, result.worker_logs[-6000:]
+    lines = {}
+    for rank, check, label, rest in re.findall(r"^rank (\d): (\w+) (\S+) (.*)$", result.worker_logs, re.M):
+        lines[(int(rank), check, label)] = rest
+    return lines, result.worker_logs
+
+
+@pytest.mark.distributed
+def test_mindspore_hsdp_cells_are_recognised_and_step_synced(mindspore_job):
+    for rank in (0, 1):
+        assert _line(mindspore_job, rank, "setup", "type") == "HSDPQwen3_5ForCausalLM collective_forward=True"
+    for label in ("auto", "synced", "unshard"):
+        # rank 0's row ends at its EOS after 3 tokens, but it steps with rank 1 through all 9 forwards
+        assert _line(mindspore_job, 0, "greedy", label) == "OK forwards=9 tokens=3"
+        assert _line(mindspore_job, 1, "greedy", label) == "OK forwards=9 tokens=9"
+    assert _line(mindspore_job, 0, "greedy", "unsynced") == "OK forwards=3 tokens=3"
+
+
+@pytest.mark.distributed
+def test_mindspore_bad_input_on_one_rank_is_raised_on_every_rank(mindspore_job):
+    assert _line(mindspore_job, 1, "error", "oov").startswith("type=ValueError ")
+    waiting = _line(mindspore_job, 0, "error", "oov")
+    assert waiting.startswith("type=RankFailed ") and "failed on rank 1" in waiting
+    for rank in (0, 1):
+        assert _line(mindspore_job, rank, "done", "all") == "ok"

@@ -23,28 +23,20 @@ def is_dtensor(x) -> bool:
 
 @contextlib.contextmanager
 def gathered(modules):
-    """``modules``' parameters gathered once for the block through HyperParallel's own ``unshard()``
-    (the scheduler state's on MindSpore cells, which have no method of their own), resharding after
-    each forward switched off meanwhile, then every scheduler's setting put back as it was (also
-    when the block raises) and ``reshard()``."""
+    """``modules``' parameters gathered once for the block through HyperParallel's own ``unshard()``,
+    resharding after each forward switched off meanwhile, then every scheduler's setting put back as
+    it was (also when the block raises) and ``reshard()``. Its MindSpore ``hsdp`` cells reshard in
+    every post-forward hook with no switch to turn that off, so they are left to gather per forward."""
+    modules = [m for m in modules if callable(getattr(m.hsdp_scheduler, "set_reshard_after_forward", None))]
     saved = [(m.hsdp_scheduler, m.hsdp_scheduler.reshard_after_forward) for m in modules]
     try:
         for scheduler, _ in saved:
             scheduler.set_reshard_after_forward(False)
         for module in modules:
-            _call(module, "unshard", "unshard")
+            module.unshard()
         yield
     finally:
         for scheduler, setting in saved:
             scheduler.reshard_after_forward = scheduler.config.reshard_after_forward = setting
         for module in modules:
-            _call(module, "reshard", "shard")
-
-
-def _call(module, method: str, state_method: str) -> None:
-    if callable(getattr(module, method, None)):
-        getattr(module, method)()
-    else:
-        state = module.hsdp_scheduler.hsdp_state
-        if state is not None:
-            getattr(state, state_method)()
+            module.reshard()

@@ -16,6 +16,8 @@ from typing import Optional
 import mindspore as ms
 import numpy as np
 
+from hyper_gen.parallel import hyperparallel
+
 from .launch import bind_local_rank_cores
 from .ops import MindSporeOps, ms_dtype
 
@@ -119,10 +121,15 @@ def resolve_device(device, dtype: str, tp: int = 1) -> str:
     return target
 
 
+def _hsdp_cells(model) -> list:
+    cells = [cell for _, cell in model.cells_and_names()] if isinstance(model, ms.nn.Cell) else []
+    return [cell for cell in cells if hyperparallel.is_sharded_module(cell)]
+
+
 def collective_forward(model) -> bool:
-    """MindSpore has no sharding wrapper to find: a Cell whose forward gathers its parameter shards
-    (ZeRO-3 style) says so with ``collective_forward = True``, read by the core before this."""
-    return False
+    """HyperParallel's ``hsdp`` cells gather their parameter shards in every forward; another Cell
+    that does (ZeRO-3 style) says so with ``collective_forward = True``, read by the core before this."""
+    return bool(_hsdp_cells(model))
 
 
 def find_parallelism(model):
@@ -132,16 +139,18 @@ def find_parallelism(model):
 
 @contextlib.contextmanager
 def parameters_unsharded(model):
-    """A Cell that can gather its parameter shards once offers ``unshard()`` / ``reshard()``."""
+    """A Cell that can gather its parameter shards once offers ``unshard()`` / ``reshard()``;
+    HyperParallel's ``hsdp`` cells go through ``hyper_gen.parallel.hyperparallel.gathered``."""
     unshard, reshard = getattr(model, "unshard", None), getattr(model, "reshard", None)
-    if callable(unshard) and callable(reshard):
+    if callable(unshard) and callable(reshard) and not _hsdp_cells(model):
         unshard()
         try:
             yield
         finally:
             reshard()
     else:
-        yield
+        with hyperparallel.gathered(_hsdp_cells(model)):
+            yield
 
 
 def thread_initializer():

@@ -93,13 +93,9 @@ def _restore(state, saved) -> None:
 
 def _outermost_fsdp(module) -> list:
     """The FSDP2 modules of ``module`` with no FSDP2 module above them (the roots of their trees)."""
-    if isinstance(module, FSDPModule):
-        return [module]
-    return (
-        [m for child in module.children() for m in _outermost_fsdp(child)]
-        if isinstance(module, torch.nn.Module)
-        else []
-    )
+    if isinstance(module, FSDPModule) or not isinstance(module, torch.nn.Module):
+        return [module] if isinstance(module, FSDPModule) else []
+    return [m for child in module.children() for m in _outermost_fsdp(child)]
 
 
 @contextlib.contextmanager

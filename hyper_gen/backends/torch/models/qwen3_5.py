@@ -21,10 +21,11 @@ from hyper_gen.backends.torch.devices import resolve_device
 from hyper_gen.backends.torch.gated_deltanet import GatedDeltaNet
 from hyper_gen.backends.torch.kernels import PLAIN, TorchKernels, budget_bytes
 from hyper_gen.backends.torch.layers import ZeroCentredRMSNorm, apply_rotary, rotary_cos_sin, rotary_inverse_frequencies
-from hyper_gen.backends.torch.ops import TorchOps, dtype_name
+from hyper_gen.backends.torch.ops import TorchOps, dtype_name, torch_dtype
 from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.masks import contract_defaults
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
+from hyper_gen.models.loading import DTYPES
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
 from hyper_gen.models.qwen3_5.shards import (
     EMBED_TOKENS,
@@ -44,13 +45,6 @@ from hyper_gen.parallel.rank_sum import RankSum
 from hyper_gen.parallel.sharded_model import set_parallel, whole_vocabulary
 from hyper_gen.parallel.tp_plan import TPPlan
 from hyper_gen.token_packing import TokenPacking
-
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 # ---------------------------------------------------------------------------------- attention
 
@@ -457,8 +451,8 @@ def load(
     ``cp_plan``: a ``CPPlan(cp, rank)`` for context parallelism (``hyper_gen.parallel.cp_plan``):
     the world is then the ``tp x cp`` mesh (``Mesh``: tp innermost), whose tp and cp subgroups are
     made here (every rank must call this), unless ``group`` is given."""
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     budget_bytes()  # HYPER_GEN_TORCH_ONEDNN_GEMM_MB read before any work (a bad value is a ValueError)
     projections = TorchKernels(KernelPlan.open(kernels, "torch", torch.__version__, torch.get_num_threads()))
     device = resolve_device(None if device is None else str(device), dtype)
@@ -471,7 +465,7 @@ def load(
             check_ulysses_heads(cp_plan.cp, attention.num_heads, attention.num_kv_heads)
     launch = f"torchrun --nproc_per_node {shard.plan.tp * cp_plan.cp}"
     group, cp_group = shard_groups(TorchOps(), shard.plan, cp_plan, group, launch, "torch", _new_group)
-    w = _Weights(checkpoint, TORCH_DTYPES[dtype], device, projections)
+    w = _Weights(checkpoint, torch_dtype(dtype), device, projections)
 
     state = {"embed_tokens": w.transposed(vocab_rows(checkpoint, shard, EMBED_TOKENS, w.read_dtype))}
     if shard.lm_head is not None:
