@@ -232,7 +232,13 @@ def test_logprobs(served):
     client = server.client()
     out = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    # the tokens of the returned text: an EOS that ended it has none (tests/test_server_hardening.py)
+    text = out.choices[0].text
+    assert "".join(lp.tokens) == text and all(0 <= offset < len(text) for offset in lp.text_offset)
+    ended_by_eos = out.choices[0].finish_reason == "stop"
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens - ended_by_eos
+    )
     assert all(v <= 0 for v in lp.token_logprobs)
     assert all(
         len(top) == 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs)
@@ -246,7 +252,8 @@ def test_logprobs(served):
         top_logprobs=3,
     )
     content = chat.choices[0].logprobs.content
-    assert len(content) == chat.usage.completion_tokens
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert len(content) == chat.usage.completion_tokens - (chat.choices[0].finish_reason == "stop")
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
 
 

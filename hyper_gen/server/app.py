@@ -2,7 +2,8 @@
 
 ``create_app(engine, tokenizer, model_name)`` only routes; the engine is started and shut down
 by whoever owns it (``hyper_gen.server.launch``, a test). Endpoints: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``.
+Request bodies are read by ``body.read_json`` (content type, size, JSON, strict types).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from hyper_gen import __version__
 
 from . import errors
+from .body import read_json
 from .chat import create_chat_completion
 from .completions import create_completion
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -27,6 +29,9 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: Optional[int] 
     app.state.hyper_gen = state
     errors.install(app)
 
+    def card() -> ModelCard:
+        return ModelCard(id=model_name, created=state.created, max_model_len=state.max_model_len)
+
     @app.get("/health")
     async def health():
         """{"status": "ok", "running": requests admitted, "waiting": queued}; 503 once the engine stopped."""
@@ -36,15 +41,23 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: Optional[int] 
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=model_name, created=state.created, max_model_len=state.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """The served model's card (``client.models.retrieve(id)``); 404 for any other id."""
+        if model_id != model_name:
+            raise errors.unknown_model(model_id, model_name)
+        return card()
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, http_request: Request):
+    async def completions(http_request: Request):
+        request = await read_json(http_request, CompletionRequest, "prompt")
         return await create_completion(state, request, http_request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
+    async def chat_completions(http_request: Request):
+        request = await read_json(http_request, ChatCompletionRequest, "messages")
         return await create_chat_completion(state, request, http_request)
 
     return app

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .errors import APIError
-from .params import sampling_params
+from .errors import APIError, shutting_down
+from .params import check_sizes, sampling_params
 from .prompts import chat_prompt
 from .protocol import (
     AssistantMessage,
@@ -21,7 +21,7 @@ from .protocol import (
     Usage,
 )
 from .state import ServerState, new_id, watch_disconnect
-from .streams import DONE, EventStream, sse
+from .streams import DONE, EventStream, ServerClosing, sse
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -32,7 +32,10 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, http_request):
     state.check_model(request.model)
-    ids = chat_prompt(request, state.tokenizer, state.vocab_size)
+    check_sizes(request)
+    for param in ("max_completion_tokens", "max_tokens"):
+        state.check_max_tokens(getattr(request, param), param)
+    ids = chat_prompt(request, state.tokenizer, state.vocab_size, state.max_model_len)
     max_tokens = request.max_completion_tokens or request.max_tokens or state.default_max_tokens([ids])
     params = sampling_params(request, max_tokens)
     requests = state.submit([ids], params, "messages")
@@ -41,17 +44,18 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         return EventStream(_events(state, request, requests, head, len(ids)), requests)
 
     watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
-    texts, reasons, logprobs, generated = {}, {}, {}, 0
+    texts, reasons, logprobs, aligners, generated = {}, {}, {}, {}, 0
     try:
         async for _, chunk in requests.chunks():
             texts[chunk.index] = texts.get(chunk.index, "") + (chunk.text or "")
             generated += len(chunk.token_ids)
             if request.logprobs:
-                logprobs.setdefault(chunk.index, ChatLogprobs(content=[])).content += state.tokens.chat(
-                    chunk.logprobs
-                ).content
+                entries = aligners.setdefault(chunk.index, state.tokens.choice()).add(chunk)
+                logprobs.setdefault(chunk.index, ChatLogprobs(content=[])).content += state.tokens.chat(entries).content
             if chunk.finished:
                 reasons[chunk.index] = chunk.finish_reason
+    except ServerClosing:
+        raise shutting_down() from None
     except Exception as exc:
         requests.cancel()
         raise APIError(f"generation failed: {exc}", status=500) from exc
@@ -72,7 +76,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
 async def _events(state, request, requests, head, prompt_tokens):
     options = request.stream_options
     usage_each = bool(options and options.continuous_usage_stats)
-    generated = 0
+    aligners, generated = {}, 0
     try:
         for i in range(request.n):
             first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -81,7 +85,10 @@ async def _events(state, request, requests, head, prompt_tokens):
             )
         async for _, chunk in requests.chunks():
             generated += len(chunk.token_ids)
-            logprobs = state.tokens.chat(chunk.logprobs) if request.logprobs and chunk.logprobs else None
+            logprobs = None
+            if request.logprobs:
+                entries = aligners.setdefault(chunk.index, state.tokens.choice()).add(chunk)
+                logprobs = state.tokens.chat(entries) if entries else None
             if not (chunk.text or chunk.finished or logprobs):
                 continue
             choice = ChatChunkChoice(
@@ -94,6 +101,8 @@ async def _events(state, request, requests, head, prompt_tokens):
             yield sse(ChatCompletionChunk(**head, choices=[choice], usage=usage))
         if options and options.include_usage:
             yield sse(ChatCompletionChunk(**head, choices=[], usage=_usage(prompt_tokens, generated)))
-    except Exception as exc:  # the response has started: the error goes in the stream
+    except ServerClosing:  # the response has started: the error goes in the stream
+        yield sse(shutting_down().response_body())
+    except Exception as exc:
         yield sse(APIError(f"generation failed: {exc}", status=500).response_body())
     yield DONE

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .errors import APIError
+from .errors import APIError, shutting_down
 from .logprobs import merge_completion
-from .params import sampling_params
+from .params import check_sizes, sampling_params
 from .prompts import completion_prompts
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from .state import ServerState, new_id, watch_disconnect
-from .streams import DONE, EventStream, sse
+from .streams import DONE, EventStream, ServerClosing, sse
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -26,7 +26,9 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 
 async def create_completion(state: ServerState, request: CompletionRequest, http_request):
     state.check_model(request.model)
-    prompts = completion_prompts(request, state.tokenizer, state.vocab_size)
+    check_sizes(request)
+    state.check_max_tokens(request.max_tokens, "max_tokens")
+    prompts = completion_prompts(request, state.tokenizer, state.vocab_size, state.max_model_len)
     max_tokens = request.max_tokens if request.max_tokens is not None else state.default_max_tokens(prompts)
     params = sampling_params(request, max_tokens)
     requests = state.submit(prompts, params, "prompt")
@@ -37,7 +39,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
         return EventStream(_events(state, request, requests, head, prompt_tokens, want_logprobs), requests)
 
     watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
-    choices, offsets, generated = {}, {}, 0
+    choices, aligners, generated = {}, {}, 0
     try:
         async for i, chunk in requests.chunks():
             index = i * request.n + chunk.index
@@ -45,14 +47,16 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
             choice.text += chunk.text or ""
             generated += len(chunk.token_ids)
             if want_logprobs:
-                more = state.tokens.completion(chunk.logprobs, offsets.get(index, 0))
-                offsets[index] = (more.text_offset[-1] + len(more.tokens[-1])) if more.tokens else offsets.get(index, 0)
+                aligner = aligners.setdefault(index, state.tokens.choice())
+                more = state.tokens.completion(aligner.add(chunk))
                 if choice.logprobs is None:
                     choice.logprobs = more
                 else:
                     merge_completion(choice.logprobs, more)
             if chunk.finished:
                 choice.finish_reason = chunk.finish_reason
+    except ServerClosing:
+        raise shutting_down() from None
     except Exception as exc:
         requests.cancel()
         raise APIError(f"generation failed: {exc}", status=500) from exc
@@ -65,17 +69,19 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
 async def _events(state, request, requests, head, prompt_tokens, want_logprobs):
     options = request.stream_options
     usage_each = bool(options and options.continuous_usage_stats)
-    offsets, generated = {}, 0
+    aligners, generated = {}, 0
     try:
         async for i, chunk in requests.chunks():
             index = i * request.n + chunk.index
             generated += len(chunk.token_ids)
             logprobs = None
-            if want_logprobs and chunk.logprobs:
-                logprobs = state.tokens.completion(chunk.logprobs, offsets.get(index, 0))
-                offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            if want_logprobs:
+                entries = aligners.setdefault(index, state.tokens.choice()).add(chunk)
+                logprobs = state.tokens.completion(entries) if entries else None
             if not (chunk.text or chunk.finished or logprobs):
                 continue
+            if want_logprobs and logprobs is None:
+                logprobs = state.tokens.completion([])
             choice = CompletionChoice(
                 index=index,
                 text=chunk.text or "",
@@ -86,6 +92,8 @@ async def _events(state, request, requests, head, prompt_tokens, want_logprobs):
             yield sse(CompletionResponse(**head, choices=[choice], usage=usage))
         if options and options.include_usage:
             yield sse(CompletionResponse(**head, choices=[], usage=_usage(prompt_tokens, generated)))
-    except Exception as exc:  # the response has started: the error goes in the stream
+    except ServerClosing:  # the response has started: the error goes in the stream
+        yield sse(shutting_down().response_body())
+    except Exception as exc:
         yield sse(APIError(f"generation failed: {exc}", status=500).response_body())
     yield DONE

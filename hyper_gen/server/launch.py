@@ -1,35 +1,89 @@
 """Running the server: uvicorn on rank 0, the engine's follower loop on every other rank.
 
-SIGINT / SIGTERM stop uvicorn gracefully (in-flight responses get ``GRACE_S`` seconds, then are
-cancelled, which frees their slots), then the engine shuts down, which on a multi-rank job
-releases the followers; the process then returns normally (exit status 0) instead of dying by the
-signal uvicorn would otherwise re-raise. Ranks other than 0 ignore both signals (a launcher or a
-terminal sends them to every rank) and leave when rank 0's engine stops.
+SIGINT / SIGTERM stop uvicorn gracefully: in-flight responses get ``GRACE_S`` seconds to finish,
+then every one still open ends well-formed (a 503 in OpenAI's schema, or, once streaming, a last
+error event and ``data: [DONE]``; ``ServerState.interrupt_all``), which also frees their slots;
+uvicorn's own cancellation ``CLOSE_S`` later is only a backstop. Then the engine shuts down,
+which on a multi-rank job releases the followers; the process then returns normally (exit
+status 0) instead of dying by the signal uvicorn would otherwise re-raise. uvicorn's own two
+replies (bytes that are not HTTP, an app that ends without answering) are OpenAI errors too.
+Ranks other than 0 ignore both signals (a launcher or a terminal sends them to every rank) and
+leave when rank 0's engine stops.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import signal
 import socket
 import threading
 from typing import Callable, Optional
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app
+from .errors import APIError
 
 GRACE_S = 5.0
+CLOSE_S = 2.0  # after the grace: for the interrupted responses to be written before uvicorn cancels them
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _error_bytes(message: str, status: int) -> bytes:
+    return json.dumps(APIError(message, status=status).response_body()).encode("utf-8")
+
+
+class _H11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, its own error replies in OpenAI's schema instead of text/plain."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = _error_bytes(f"{msg} (not an HTTP/1.1 request this server can parse)", 400)
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+    async def send_500_response(self) -> None:
+        body = _error_bytes("internal server error: the request ended without a response", 500)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await self.send({"type": "http.response.start", "status": 500, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _config(app, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, http=_H11, log_level=log_level, access_log=log_level in ("debug", "info"), lifespan="off"
+    )
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, telling us when it listens and not re-raising the signal that stopped it."""
 
-    def __init__(self, config, on_started: Optional[Callable[[], None]] = None):
+    def __init__(self, config, on_started: Optional[Callable[[], None]] = None, state=None, grace_s: float = GRACE_S):
+        config.timeout_graceful_shutdown = grace_s + CLOSE_S
         super().__init__(config)
         self.on_started = on_started
+        self.state, self.grace_s = state, grace_s  # the app's ServerState: its open responses end at the grace
         self.stopped_by: Optional[int] = None
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = None
+        if self.state is not None:
+            timer = asyncio.get_running_loop().call_later(self.grace_s, self.state.interrupt_all)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -81,14 +135,7 @@ def serve(
 
     The engine is started by the caller and shut down here, whatever ends the server."""
     app = create_app(engine, tokenizer, model_name)
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        access_log=log_level in ("debug", "info"),
-        timeout_graceful_shutdown=grace_s,
-        lifespan="off",
-    )
-    server = _Server(config, on_started=on_started)
+    server = _Server(_config(app, log_level), on_started=on_started, state=app.state.hyper_gen, grace_s=grace_s)
     try:
         server.run(sockets=[sock])
     finally:
@@ -107,14 +154,17 @@ def follow(engine) -> None:
 class BackgroundServer:
     """The server on a thread of this process, for a program that keeps its model (an RLHF job
     serving the policy it trains, a notebook, a test): ``url`` once it listens; ``stop()`` (or
-    leaving the ``with`` block) stops it. The engine stays the caller's to start and shut down."""
+    leaving the ``with`` block) stops it, giving open responses ``grace_s`` seconds to finish before
+    they end with a 503 / a last error event. The engine stays the caller's to start and shut down."""
 
-    def __init__(self, engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 0, timeout_s=60.0):
+    def __init__(
+        self, engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 0, timeout_s=60.0, grace_s=2.0
+    ):
         self._sock = bind(host, port)
         address = self._sock.getsockname()
         self.url = f"http://{f'[{address[0]}]' if ':' in address[0] else address[0]}:{address[1]}"
         app = create_app(engine, tokenizer, model_name)
-        self._server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+        self._server = _Server(_config(app, "warning"), state=app.state.hyper_gen, grace_s=grace_s)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="hyper_gen-server", daemon=True
         )

@@ -3,6 +3,10 @@
 OpenAI's parameters the engine has no equivalent for are accepted at their defaults only
 (``presence_penalty`` / ``frequency_penalty`` 0, an empty ``logit_bias``, ``echo`` false, no
 ``suffix``, ``best_of`` equal to ``n``), so a client is told instead of silently ignored.
+``check_sizes`` bounds every list a request can make the server hold (prompts, stop strings,
+stop token ids) before anything is tokenized or queued; ``n``, ``logprobs`` and
+``top_logprobs`` are bounded on their fields (``protocol``), ``max_tokens`` by the context
+(``ServerState.check_max_tokens``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,34 @@ _PARAM_OF_FIELD = {
     "logprobs": "logprobs",
     "min_tokens": "min_tokens",
 }
+
+
+MAX_PROMPTS = 2048  # prompts in one completions request (OpenAI's limit on an array input)
+MAX_STOPS = 32  # stop strings in one request (OpenAI allows 4)
+MAX_STOP_CHARS = 1024  # characters of one stop string (a streamed choice holds back that many - 1)
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def check_sizes(request) -> None:
+    """A 400 naming the parameter for a list longer than this server takes, before any work."""
+    stop = request.stop
+    if isinstance(stop, list):
+        if len(stop) > MAX_STOPS:
+            raise bad_value("stop", f"stop has {len(stop)} strings, more than the {MAX_STOPS} a request may have")
+    for text in [stop] if isinstance(stop, str) else stop or ():
+        if len(text) > MAX_STOP_CHARS:
+            raise bad_value("stop", f"a stop string has {len(text)} characters, more than {MAX_STOP_CHARS}")
+    ids = request.stop_token_ids
+    if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_value(
+            "stop_token_ids",
+            f"stop_token_ids has {len(ids)} ids, more than the {MAX_STOP_TOKEN_IDS} a request may have",
+        )
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+        raise bad_value(
+            "prompt", f"prompt is a batch of {len(prompt)} prompts, more than the {MAX_PROMPTS} a request may have"
+        )
 
 
 def _check_unsupported(request) -> None:
@@ -65,8 +97,8 @@ def sampling_params(request, max_tokens: int, context=None) -> SamplingParams:
         value = getattr(request, name)
         if value is not None:
             params[name] = value
-    if request.stop:
-        params["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+    if request.stop is not None:  # "" and [""] alike are 400s (SamplingParams), never silently dropped
+        params["stop"] = request.stop if isinstance(request.stop, str) else list(request.stop)
     names = dict(_PARAM_OF_FIELD)
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:

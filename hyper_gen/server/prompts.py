@@ -13,9 +13,15 @@ from .errors import bad_value
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
-def _check_ids(ids, vocab_size, param: str) -> List[int]:
+def _check_ids(ids, vocab_size, param: str, max_model_len=None) -> List[int]:
     if not ids:
         raise bad_value(param, f"{param} is empty: nothing to complete")
+    if max_model_len is not None and len(ids) >= max_model_len:  # before any per-id work
+        raise bad_value(
+            param,
+            f"{param} is {len(ids)} tokens, which leaves no room to generate in the context of "
+            f"max_model_len={max_model_len} positions: shorten it to fewer than {max_model_len} tokens",
+        )
     if vocab_size is not None:
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
@@ -23,7 +29,14 @@ def _check_ids(ids, vocab_size, param: str) -> List[int]:
     return list(ids)
 
 
-def completion_prompts(request: CompletionRequest, tokenizer, vocab_size=None) -> List[List[int]]:
+def _encode(tokenizer, text: str, param: str, add_special_tokens: bool) -> List[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as exc:  # text the tokenizer cannot take is the client's text, not a server error
+        raise bad_value(param, f"the tokenizer cannot encode {param}: {type(exc).__name__}: {exc}") from None
+
+
+def completion_prompts(request: CompletionRequest, tokenizer, vocab_size=None, max_model_len=None) -> List[List[int]]:
     """One list of token ids per prompt of the request."""
     prompt = request.prompt
     if isinstance(prompt, str):
@@ -39,12 +52,12 @@ def completion_prompts(request: CompletionRequest, tokenizer, vocab_size=None) -
         if isinstance(item, str):
             if tokenizer is None:
                 raise bad_value("prompt", "this server has no tokenizer: send token ids")
-            item = tokenizer.encode(item, add_special_tokens=True)
-        out.append(_check_ids(item, vocab_size, "prompt"))
+            item = _encode(tokenizer, item, "prompt", True)
+        out.append(_check_ids(item, vocab_size, "prompt", max_model_len))
     return out
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer, vocab_size=None) -> List[int]:
+def chat_prompt(request: ChatCompletionRequest, tokenizer, vocab_size=None, max_model_len=None) -> List[int]:
     """The conversation through the checkpoint's chat template, ending where the assistant speaks."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_value("messages", "this model has no chat template: use /v1/completions")
@@ -53,4 +66,4 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, vocab_size=None) -> L
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # the template's own raise_exception() and jinja errors
         raise bad_value("messages", f"the chat template rejected the messages: {exc}") from None
-    return _check_ids(tokenizer.encode(text, add_special_tokens=False), vocab_size, "messages")
+    return _check_ids(_encode(tokenizer, text, "messages", False), vocab_size, "messages", max_model_len)

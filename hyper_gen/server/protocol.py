@@ -1,9 +1,10 @@
 """The OpenAI API's request and response bodies, with OpenAI's field names (and vLLM's extras).
 
 Requests forbid unknown fields, so a misspelt parameter is a 400 naming it rather than a silent
-default. Value checks that pydantic can state (``max_tokens >= 1``, ``temperature >= 0``) live
-on the fields, so their 400s name the parameter too; the engine's ``SamplingParams`` checks the
-rest.
+default, and take JSON's types strictly (``true`` is not an integer, ``"2"`` is not a number).
+Value checks that pydantic can state (``max_tokens >= 1``, ``temperature >= 0``) live on the
+fields, so their 400s name the parameter too; ``params.check_sizes`` bounds what a request can
+make the server allocate, and the engine's ``SamplingParams`` checks the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -56,13 +57,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # tool_calls, refusal, ...: not for the template
+    model_config = ConfigDict(extra="ignore", strict=True)  # tool_calls, refusal, ...: not for the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator, List, Tuple
+from typing import AsyncIterator, List, Optional, Tuple
 
 from starlette.responses import StreamingResponse
 
@@ -27,23 +27,41 @@ def sse(payload) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+class ServerClosing(Exception):
+    """The server is stopping and this request's grace period is over: its response ends now,
+    with a 503 (or, once streaming, a last error event and ``[DONE]``)."""
+
+
+_CLOSING = object()
+
+
 class Requests:
-    """The engine streams of one HTTP request: iterated together, cancelled together."""
+    """The engine streams of one HTTP request: iterated together, cancelled together, and
+    interrupted together by a server that stops (``interrupt``, on the event loop)."""
 
     def __init__(self, streams: list):
         self.streams = list(streams)
+        self.interrupted = False
+        self._queue: Optional[asyncio.Queue] = None
 
     def cancel(self) -> None:
         for stream in self.streams:
             stream.cancel()
 
+    def interrupt(self) -> None:
+        """End the response now, whatever the engine does: ``chunks()`` raises ``ServerClosing``
+        at once (the engine streams are cancelled too, which frees their slots)."""
+        self.interrupted = True
+        self.cancel()
+        if self._queue is not None:
+            self._queue.put_nowait((None, _CLOSING))
+
     async def chunks(self) -> AsyncIterator[Tuple[int, object]]:
         """(prompt index, chunk) from every stream as the engine produces them."""
-        if len(self.streams) == 1:
-            async for chunk in self.streams[0]:
-                yield 0, chunk
-            return
         queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
+        if self.interrupted:
+            raise ServerClosing()
         end = object()
 
         async def pump(i, stream):
@@ -60,6 +78,8 @@ class Requests:
             running = len(tasks)
             while running:
                 i, item = await queue.get()
+                if item is _CLOSING:
+                    raise ServerClosing()
                 if item is end:
                     running -= 1
                 elif isinstance(item, BaseException):
