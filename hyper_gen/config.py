@@ -12,6 +12,18 @@ import numpy as np
 
 CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
+# Bounds on the sizes generate() allocates from, checked before anything is allocated: a typo'd
+# 10**9 is a ValueError naming the field, not a numpy MemoryError or a framework allocator error.
+# MAX_ROWS: rows of one call, batch x num_return_sequences (each row gets its prompt copy, a cache
+# row and its host bookkeeping); far past what any device holds caches for, split larger batches.
+MAX_ROWS = 1 << 16
+# MAX_NEW_TOKENS: nothing is sized to max_new_tokens up front (host buffers grow, the static cache is
+# capped at the context), but positions and lengths are int64 on the host: this keeps "until EOS or the
+# context" (10**9) and refuses what would overflow them.
+MAX_NEW_TOKENS = 2**31 - 1
+# token ids (pad, EOS) are int64 on the host and the device
+MAX_TOKEN_ID = 2**63 - 1
+
 
 @dataclass
 class GenerationConfig:
@@ -51,7 +63,7 @@ class GenerationConfig:
     unshard_params: bool = False
 
     def __post_init__(self):
-        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1, maximum=MAX_NEW_TOKENS, bound="MAX_NEW_TOKENS")
         _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
@@ -84,14 +96,14 @@ class GenerationConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.synced_gpus is not None and not isinstance(self.synced_gpus, bool):
             raise TypeError(f"synced_gpus must be a bool or None (decide from the model), got {self.synced_gpus!r}")
-        _check_int("num_return_sequences", self.num_return_sequences, minimum=1)
+        _check_int("num_return_sequences", self.num_return_sequences, minimum=1, maximum=MAX_ROWS, bound="MAX_ROWS")
         if self.num_return_sequences > 1 and not self.do_sample:
             raise ValueError(
                 f"num_return_sequences={self.num_return_sequences} needs do_sample=True: greedy decoding would "
                 "return the same row that many times (HF raises the same)"
             )
         self.stop_strings = _normalize_stop_strings(self.stop_strings)
-        _check_int("pad_token_id", self.pad_token_id, minimum=0)
+        _check_int("pad_token_id", self.pad_token_id, minimum=0, maximum=MAX_TOKEN_ID, bound="MAX_TOKEN_ID")
         self.eos_token_id = _normalize_eos(self.eos_token_id)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
@@ -164,12 +176,15 @@ def _check_names(options: dict) -> None:
         raise TypeError(f"unknown generation option(s) {unknown}; valid options are {sorted(FIELDS)}")
 
 
-def _check_int(name, value, minimum):
-    """Python or numpy integers (not bools); fields are stored back as plain ints by the caller."""
+def _check_int(name, value, minimum, maximum=None, bound=None):
+    """Python or numpy integers (not bools); fields are stored back as plain ints by the caller.
+    ``maximum``: the largest value, ``bound`` the name of the module constant that holds it."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum} (hyper_gen.config.{bound}), got {value}")
 
 
 def _check_number(name, value):
@@ -199,9 +214,9 @@ def _normalize_eos(eos: Optional[Union[int, Sequence[int]]]):
         if not eos:
             raise ValueError("eos_token_id must not be an empty list (use None to disable EOS)")
         for item in eos:
-            _check_int("eos_token_id", item, minimum=0)
+            _check_int("eos_token_id", item, minimum=0, maximum=MAX_TOKEN_ID, bound="MAX_TOKEN_ID")
         return [int(item) for item in eos]
-    _check_int("eos_token_id", eos, minimum=0)
+    _check_int("eos_token_id", eos, minimum=0, maximum=MAX_TOKEN_ID, bound="MAX_TOKEN_ID")
     return int(eos)
 
 
@@ -263,4 +278,4 @@ def resolve_config(generation_config: Optional[GenerationConfig], overrides: dic
         raise
 
 
-__all__ = ["GenerationConfig", "resolve_config", "CACHE_IMPLEMENTATIONS"]
+__all__ = ["GenerationConfig", "resolve_config", "CACHE_IMPLEMENTATIONS", "MAX_ROWS", "MAX_NEW_TOKENS", "MAX_TOKEN_ID"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from .config import GenerationConfig, resolve_config
 from .drivers import make_driver
-from .inputs import ModelLimits, check_against_model, check_vocabulary, prepare_prompts
+from .inputs import ModelLimits, check_against_model, check_rows, check_vocabulary, prepare_prompts
 from .outputs import StepRecorder
 from .parallel.model_group import (
     agree_on_tokens,
@@ -82,6 +82,7 @@ def generate(
     sync = _step_sync(ops, model, config.synced_gpus)
     try:
         prompt = prepare_prompts(input_ids, attention_mask)
+        check_rows(prompt, config)  # batch x num_return_sequences, before any row is allocated
         if sync is None:
             check_consistent_inputs(ops, model, prompt, config)
         limits = ModelLimits.of(model)  # vocab_size / max_position_embeddings, where the model declares them

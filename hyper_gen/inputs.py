@@ -59,14 +59,58 @@ def _first(where: np.ndarray):
     return int(row), int(col)
 
 
+_TOKENIZE_FIRST = (
+    "tokenize it first: batch = tokenizer(texts, padding=True, return_tensors='np') (padding_side='left'), "
+    "then generate(model, batch['input_ids'], attention_mask=batch['attention_mask'])"
+)
+
+
+def _text_problem(name: str, value: Any) -> Optional[str]:
+    """What to say when ``value`` is text, or a tokenizer's whole output, instead of token ids."""
+    if isinstance(value, (str, bytes)):
+        return f"{name} is a {type(value).__name__} ({_preview(value)}), not token ids: {_TOKENIZE_FIRST}"
+    if isinstance(value, (list, tuple)) and value:
+        first, kind = value[0], "strings"
+        if isinstance(first, (list, tuple)) and first:
+            first, kind = first[0], "lists of strings"
+        if isinstance(first, (str, bytes)):
+            return f"{name} is a {type(value).__name__} of {kind} ({_preview(value)}), not token ids: {_TOKENIZE_FIRST}"
+    if hasattr(value, "keys") and hasattr(value, "__getitem__") and not hasattr(value, "shape"):
+        try:
+            keys = list(value.keys())
+        except Exception:
+            return None
+        if "input_ids" in keys:  # a tokenizer's BatchEncoding (or a dict like it)
+            return (
+                f"{name} is a {type(value).__name__} with keys {keys}, not token ids: pass its 'input_ids' and "
+                "'attention_mask': generate(model, batch['input_ids'], attention_mask=batch['attention_mask'])"
+            )
+    return None
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _as_2d_int(name: str, value: Any) -> np.ndarray:
+    problem = _text_problem(name, value)
+    if problem is not None:
+        raise InputTypeError(problem)
     value = to_host(value)
     try:
         array = np.asarray(value)
     except Exception as exc:  # ragged lists and other junk
         raise ValueError(f"{name} must be a rectangular 2-D array of integers: {exc}") from None
+    if array.dtype.kind in "USO" and any(isinstance(item, (str, bytes)) for item in array.reshape(-1)[:1].tolist()):
+        raise InputTypeError(f"{name} holds strings ({_preview(value)}), not token ids: {_TOKENIZE_FIRST}")
     if array.dtype == object:
         raise ValueError(f"{name} must be a rectangular 2-D array of integers (rows of equal length)")
+    if array.ndim == 1 and np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"{name} must be 2-D (batch, sequence), got shape {array.shape}: one prompt is a batch of one row, "
+            f"[ids] (or ids[None, :])"
+        )
     if array.ndim != 2:
         raise ValueError(f"{name} must be 2-D (batch, sequence), got shape {array.shape}")
     if array.size == 0:
@@ -113,6 +157,19 @@ def prepare_prompts(input_ids: Any, attention_mask: Any = None) -> PromptBatch:
             "hyper_gen expects left padding (tokenizer padding_side='left')"
         )
     return PromptBatch(ids=ids, mask=mask, lengths=lengths.astype(np.int64), padded=bool((mask == 0).any()))
+
+
+def check_rows(prompt: PromptBatch, config) -> None:
+    """Batch x ``num_return_sequences`` rows within ``hyper_gen.config.MAX_ROWS``, before any row is
+    allocated (each gets its prompt copy, a cache row and host bookkeeping)."""
+    from .config import MAX_ROWS
+
+    rows = prompt.batch_size * config.num_return_sequences
+    if rows > MAX_ROWS:
+        raise ValueError(
+            f"input_ids has {prompt.batch_size} rows x num_return_sequences={config.num_return_sequences} = {rows} "
+            f"rows, more than hyper_gen.config.MAX_ROWS = {MAX_ROWS} in one call: split the batch across calls"
+        )
 
 
 # ---- what the model declares about itself ------------------------------------------------

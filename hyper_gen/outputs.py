@@ -14,6 +14,28 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 
+class HostInts(np.ndarray):
+    """A (B,) int64 host array whose elements come out as Python ints: by index, by iteration and from
+    reductions (``lengths[i]``, ``for n in lengths``, ``lengths.max()``), so they slice a tensor of
+    either framework (MindSpore refuses numpy integers as slice bounds: ``seq[i, start : start + n]``
+    would raise). Everything else is numpy's (``tolist()``, arithmetic, ``lengths[:, None]``; results
+    of arithmetic are plain arrays)."""
+
+    def __new__(cls, values):
+        return np.array(values, dtype=np.int64).view(cls)
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return int(item) if isinstance(item, np.integer) else item
+
+    def __iter__(self):
+        return iter(self.tolist()) if self.ndim == 1 else super().__iter__()
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        array = np.asarray(array)
+        return array.item() if array.ndim == 0 else array
+
+
 @dataclass
 class GenerateOutput:
     """``sequences``: what ``generate`` returns without ``return_dict_in_generate`` (each row
@@ -82,8 +104,8 @@ class StepRecorder:
             raw_logprobs = ops.where(inside, ops.concat(self.raw_logprobs, 1), 0.0)
         return GenerateOutput(
             sequences=sequences,
-            prompt_lengths=prompt_lengths,
-            generated_lengths=generated_lengths,
+            prompt_lengths=HostInts(prompt_lengths),
+            generated_lengths=HostInts(generated_lengths),
             scores=None if self.scores is None else tuple(self.scores),
             logits=None if self.logits is None else tuple(self.logits),
             logprobs=logprobs,

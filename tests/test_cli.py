@@ -134,7 +134,7 @@ def test_jsonl_killed_halfway_then_resumed(tmp_path):
     assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids))  # nothing lost, nothing twice
     for row in rows:
         assert row["prompt"] == expected[row["id"]] and is_correct(row["prompt"], row["completion"])
-        assert row["finish_reason"] == "eos" and row["completion_tokens"] > 0
+        assert row["finish_reason"] == "stop" and row["completion_tokens"] > 0
     assert f"{inp}:5: skipped malformed line" in result.stderr  # the broken JSON line
     assert f"{inp}:8: skipped malformed line" in result.stderr  # the line without an id
 

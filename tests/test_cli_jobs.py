@@ -99,7 +99,7 @@ def test_bad_rows_become_error_records_and_the_job_goes_on(tmp_path, backend, cl
     for key, prompt in good.items():
         record = records[json.dumps(key)]
         assert record["prompt"] == prompt and is_correct(prompt, record["completion"]), record
-        assert record["finish_reason"] == "eos"
+        assert record["finish_reason"] == "stop"
     rows_, generated, errors, done, tokens, path = summary(result.stderr)
     assert (rows_, generated, errors, done, path) == (9, 4, 5, 0, str(out)) and tokens > 0
 
@@ -121,7 +121,7 @@ def test_a_batch_generate_rejects_is_retried_row_by_row(tmp_path, monkeypatch):
         calls.append(list(batch))
         if prompts["poison"] in batch:
             raise ValueError("generate says no\nsecond line")
-        return [" ok"] * len(batch), [2] * len(batch), ["eos"] * len(batch)
+        return [" ok"] * len(batch), [2] * len(batch), ["stop"] * len(batch)
 
     monkeypatch.setattr(batch_jobs, "completions", fake_completions)
     job = batch_jobs.open_job(str(inp), str(out))
@@ -301,7 +301,7 @@ def test_inflight_rows_equal_fixed_micro_batches_and_seeds_follow_the_row(tmp_pa
     greedy = GenerationConfig(max_new_tokens=12, eos_token_id=1, pad_token_id=0)
     inflight, fixed = run("inflight", greedy, 3, "inflight"), run("fixed", greedy, 3, "fixed")
     assert inflight == fixed and all(is_correct(good[k], r["completion"]) for k, r in inflight.items())
-    assert {r["finish_reason"] for r in inflight.values()} == {"eos"}
+    assert {r["finish_reason"] for r in inflight.values()} == {"stop"}
     if backend == "mindspore":  # the seeded draw is host numpy, the same on every backend (tests/test_engine.py)
         return
     sampled = greedy.replace(do_sample=True, temperature=2.5, top_k=0, seed=3)

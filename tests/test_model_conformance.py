@@ -405,7 +405,7 @@ def test_bad_device(dense_path, backend):
 
 @backends
 def test_missing_path_and_files(tmp_path, backend):
-    with pytest.raises(ValueError, match="is not a directory"):
+    with pytest.raises(ValueError, match="does not exist"):
         load_model(os.path.join(tmp_path, "nowhere"), backend=backend)
     with pytest.raises(ValueError, match="no config.json"):
         load_model(tmp_path, backend=backend)

@@ -13,94 +13,124 @@
   generate ``synced_gpus=True``: useful tokens/s and the time share in collectives.
 - ``serve``: the HTTP server under 1 / 8 / 32 concurrent streaming clients (tokens/s, time to
   first token p50 / p99) vs the same requests as sequential ``generate`` calls and one batch.
+- ``offline``: a JSONL job with in-flight batching vs fixed micro-batches, on mixed output lengths.
 
-Run: ``hyper-gen bench [loop|hf|models|tp|serve|rollout] ...`` or ``python -m hyper_gen.bench ...``.
+Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline] ...`` (``loop`` when none is
+named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command> --help`` explains every flag
+with its default. MindSpore's and transformers' own logs are errors only (``GLOG_v=3``, unless
+set), as in the rest of the CLI; ``-v`` shows them.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 
-from .arguments import OneLineParser, backend_list, kernels_spec, non_negative, positive
+from hyper_gen.jobs.logs import quiet_framework_logs
+
+from .arguments import HelpFormatter, OneLineParser, add_command, backend_list, kernels_spec, non_negative, positive
+
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench")
 
 
-def main(argv=None):
-    parser = OneLineParser(
-        prog="hyper-gen bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def _shape_flags(parser, prompt_len: int, cache_dir: bool = True) -> None:
+    """The flags of the benches that run a random-weight Qwen3.5 checkpoint of a named shape."""
+    parser.add_argument(
+        "--shape", default="mid", choices=["mid", "0.8b"], help="checkpoint shape: mid (hidden 512, 8 layers) or 0.8b"
     )
-    sub = parser.add_subparsers(dest="which")
-    loop = sub.add_parser("loop", help="loop time outside the forward, torch vs MindSpore")
-    loop.add_argument("--backends", type=backend_list, default="torch,mindspore")
-    loop.add_argument("--batch", type=positive, default=4)
-    loop.add_argument("--vocab", type=positive, default=32000)
-    loop.add_argument("--steps", type=positive, default=64)
-    hf = sub.add_parser("hf", help="HF generate vs hyper_gen.generate on one HF Qwen3.5 model")
-    hf.add_argument("--hidden", type=positive, default=256)
-    hf.add_argument("--layers", type=positive, default=4)
-    hf.add_argument("--vocab", type=positive, default=32000)
-    hf.add_argument("--batch", type=positive, default=4)
-    hf.add_argument("--prompt-len", type=positive, default=32)
-    hf.add_argument("--new-tokens", type=positive, default=32)
-    hf.add_argument("--repeats", type=positive, default=3)
-    hf.add_argument("--threads", type=non_negative, default=0)
-    models = sub.add_parser("models", help="load_model (torch, MindSpore) vs HF generate, and the roofline")
-    models.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
+    parser.add_argument("--batch", type=positive, default=1, help="prompts decoded together")
+    parser.add_argument("--prompt-len", type=positive, default=prompt_len, help="prompt tokens per row")
+    parser.add_argument("--new-tokens", type=positive, default=16, help="tokens generated per row")
+    parser.add_argument("--repeats", type=positive, default=2, help="timed runs; the fastest is kept")
+    if cache_dir:
+        parser.add_argument(
+            "--cache-dir", default=CACHE_DIR, help="where the random-weight checkpoint is written once and reused"
+        )
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="hyper-gen bench", description=__doc__, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="which", metavar="command")
+    loop = add_command(sub, "loop", "per-step loop cost outside the forward, per backend")
+    loop.add_argument(
+        "--backends", type=backend_list, default="torch,mindspore", help="comma-separated backends, side by side"
+    )
+    loop.add_argument("--batch", type=positive, default=4, help="rows per step")
+    loop.add_argument("--vocab", type=positive, default=32000, help="vocabulary size (the logits' width)")
+    loop.add_argument("--steps", type=positive, default=64, help="decode steps timed per setting")
+    hf = add_command(sub, "hf", "HF generate vs hyper_gen on one HF Qwen3.5 model")
+    hf.add_argument("--hidden", type=positive, default=256, help="hidden size of the random-weight model")
+    hf.add_argument("--layers", type=positive, default=4, help="decoder layers")
+    hf.add_argument("--vocab", type=positive, default=32000, help="vocabulary size")
+    hf.add_argument("--batch", type=positive, default=4, help="prompts decoded together")
+    hf.add_argument("--prompt-len", type=positive, default=32, help="prompt tokens per row")
+    hf.add_argument("--new-tokens", type=positive, default=32, help="tokens generated per row")
+    hf.add_argument("--repeats", type=positive, default=3, help="timed runs; the fastest is kept")
+    hf.add_argument("--threads", type=non_negative, default=0, help="torch threads (0: torch's default)")
+    models = add_command(sub, "models", "native torch / MindSpore vs HF generate, and the roofline")
+    _shape_flags(models, prompt_len=32, cache_dir=False)
     models.add_argument(
         "--backends", type=backend_list, default="torch,mindspore", help="native backends (HF generate always runs)"
     )
-    models.add_argument("--batch", type=positive, default=1)
-    models.add_argument("--prompt-len", type=positive, default=32)
     models.add_argument(
         "--min-prompt-len",
         type=non_negative,
         default=0,
-        help="shortest prompt: mixed lengths, left-padded (0: all equal)",
+        help="shortest prompt: mixed lengths up to --prompt-len, left-padded (0: all equal)",
     )
-    models.add_argument("--new-tokens", type=positive, default=16)
-    models.add_argument("--repeats", type=positive, default=2)
-    models.add_argument("--threads", type=non_negative, default=0)
+    models.add_argument("--threads", type=non_negative, default=0, help="torch threads (0: torch's default)")
     models.add_argument(
-        "--kernels", type=kernels_spec, default=None, help="auto, plain or a kernel plan .json (default: auto)"
+        "--kernels",
+        type=kernels_spec,
+        default=None,
+        help="auto, plain or a kernel plan .json (default: $HYPER_GEN_KERNELS, else auto)",
     )
-    models.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
-    tp = sub.add_parser("tp", help="TP=2 vs TP=1 under torchrun / msrun")
-    tp.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
-    tp.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
-    tp.add_argument("--batch", type=positive, default=1)
-    tp.add_argument("--prompt-len", type=positive, default=32)
-    tp.add_argument("--new-tokens", type=positive, default=16)
-    tp.add_argument("--repeats", type=positive, default=2)
-    tp.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
-    cp = sub.add_parser("cp", help="CP=2 vs CP=1 on a long prompt under torchrun / msrun, with KV bytes per rank")
-    cp.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
-    cp.add_argument("--shape", default="mid", choices=["mid", "0.8b"])
-    cp.add_argument("--batch", type=positive, default=1)
-    cp.add_argument("--prompt-len", type=positive, default=2048)
-    cp.add_argument("--new-tokens", type=positive, default=16)
-    cp.add_argument("--repeats", type=positive, default=2)
-    cp.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench"))
-    rollout = sub.add_parser("rollout", help="2-rank FSDP2 rollout: hyper_gen step-synced vs workaround vs HF")
-    rollout.add_argument("--hidden", type=positive, default=256)
-    rollout.add_argument("--layers", type=positive, default=4)
-    rollout.add_argument("--vocab", type=positive, default=8192)
+    models.add_argument(
+        "--cache-dir", default=CACHE_DIR, help="where the random-weight checkpoint is written once and reused"
+    )
+    tp = add_command(sub, "tp", "TP=2 vs TP=1 under torchrun / msrun")
+    tp.add_argument("--backend", default="torch", choices=["torch", "mindspore"], help="the framework timed")
+    _shape_flags(tp, prompt_len=32)
+    cp = add_command(sub, "cp", "CP=2 vs CP=1 on a long prompt under torchrun / msrun")
+    cp.add_argument("--backend", default="torch", choices=["torch", "mindspore"], help="the framework timed")
+    _shape_flags(cp, prompt_len=2048)
+    rollout = add_command(sub, "rollout", "2-rank FSDP2 rollout vs the no-cache workaround and HF")
+    rollout.add_argument("--hidden", type=positive, default=256, help="hidden size of the random-weight model")
+    rollout.add_argument("--layers", type=positive, default=4, help="decoder layers")
+    rollout.add_argument("--vocab", type=positive, default=8192, help="vocabulary size")
     rollout.add_argument("--prompts", type=positive, default=4, help="prompts per rank")
     rollout.add_argument("--samples", type=positive, default=4, help="samples per prompt (num_return_sequences)")
-    rollout.add_argument("--prompt-len", type=positive, default=32)
-    rollout.add_argument("--new-tokens", type=positive, default=64)
-    rollout.add_argument("--repeats", type=positive, default=1)
+    rollout.add_argument("--prompt-len", type=positive, default=32, help="prompt tokens per row")
+    rollout.add_argument("--new-tokens", type=positive, default=64, help="the cap on tokens per row")
+    rollout.add_argument("--repeats", type=positive, default=1, help="timed runs; the fastest is kept")
     rollout.add_argument("--threads", type=positive, default=1, help="torch threads per rank")
     rollout.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    from .offline import add_parser as add_offline_parser
     from .serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    add_offline_parser(sub)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.which is None:  # the default command
+        args = parser.parse_args(["loop"] + argv)
+    if not args.verbose:
+        quiet_framework_logs()  # before the command imports a framework (MindSpore reads it then)
     if getattr(args, "min_prompt_len", 0) > getattr(args, "prompt_len", 0) and args.which == "models":
         parser.error(f"--min-prompt-len ({args.min_prompt_len}) must not exceed --prompt-len ({args.prompt_len})")
     if args.which == "serve":
         from .serve import run_serve_bench
 
         run_serve_bench(args)
+    elif args.which == "offline":
+        from .offline import run_offline
+
+        run_offline(args)
     elif args.which == "rollout":
         from .rollout import run_rollout
 
@@ -122,8 +152,6 @@ def main(argv=None):
 
         run_models(args)
     else:
-        if args.which is None:
-            args = parser.parse_args(["loop"] + list(argv or []))
         from .loop import run_loop
 
         run_loop(args)

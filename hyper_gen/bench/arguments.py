@@ -58,9 +58,28 @@ def positive_list(text: str) -> tuple:
     return tuple(int(part) for part in parts)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written (the module docstrings), every flag's help followed by its default,
+    unless the help already says what the default means."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or "%(default)" in text or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line (``prog: error: ...``, exit 2), as the
     rest of the CLI's (its subcommands' parsers are of the same class)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_command(sub, name: str, summary: str):
+    """A bench subcommand's parser: ``summary`` is its line in ``hyper-gen bench --help``; every flag
+    it gets shows its help and default (``HelpFormatter``); ``-v`` shows the frameworks' logs."""
+    parser = sub.add_parser(name, help=summary, description=summary + ".", formatter_class=HelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the frameworks' own log messages")
+    return parser

@@ -22,7 +22,6 @@ Run: ``python -m hyper_gen.bench.offline [--backend mindspore] [--rows 256] [--b
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -39,8 +38,11 @@ from hyper_gen.demo import demo_model_path
 from hyper_gen.demo.task import make_prompts
 from hyper_gen.host import describe_host
 from hyper_gen.jobs import jsonl
+from hyper_gen.jobs.logs import quiet_framework_logs
 from hyper_gen.jobs.tokenizer import load_tokenizer
 from hyper_gen.models.loading import load_model
+
+from .arguments import HelpFormatter, OneLineParser, add_command, positive
 
 
 @dataclass
@@ -155,15 +157,27 @@ def run_offline_comparison(
     )
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hyper_gen.bench.offline", description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
-    parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--spread", choices=SPREADS + ("both",), default="both")
-    args = parser.parse_args(argv)
+def add_parser(sub) -> None:
+    """``hyper-gen bench offline`` (also ``python -m hyper_gen.bench.offline``)."""
+    parser = add_command(sub, "offline", "JSONL job: in-flight batching vs fixed micro-batches")
+    _add_flags(parser)
+
+
+def _add_flags(parser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    parser.add_argument("--backend", default="torch", choices=["torch", "mindspore"], help="the framework timed")
+    parser.add_argument("--rows", type=positive, default=256, help="rows (prompts) in the job")
+    parser.add_argument("--batch-size", type=positive, default=16, help="rows decoded together, both batchings")
+    parser.add_argument("--repeats", type=positive, default=3, help="timed runs of each batching; the fastest is kept")
+    parser.add_argument(
+        "--spread",
+        choices=SPREADS + ("both",),
+        default="both",
+        help="output lengths: uniform in 4..64, log-normal in 4..128, or both",
+    )
+
+
+def run_offline(args) -> None:
     for spread, lengths in JOBS:
         if args.spread in (spread, "both"):
             print(
@@ -177,6 +191,16 @@ def main(argv=None) -> None:
                     lengths=lengths,
                 )
             )
+
+
+def main(argv=None) -> None:
+    parser = OneLineParser(prog="python -m hyper_gen.bench.offline", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the frameworks' own log messages")
+    _add_flags(parser)
+    args = parser.parse_args(argv)
+    if not args.verbose:
+        quiet_framework_logs()
+    run_offline(args)
 
 
 if __name__ == "__main__":

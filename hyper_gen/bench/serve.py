@@ -33,7 +33,7 @@ from hyper_gen.jobs.tokenizer import load_tokenizer
 from hyper_gen.models.loading import load_model
 
 from . import offline
-from .arguments import positive, positive_list
+from .arguments import add_command, positive, positive_list
 
 READY = re.compile(r"hyper-gen serve: http://([^:/\s]+):(\d+)/v1 ")
 
@@ -224,11 +224,15 @@ def run_serve_bench(args) -> None:
 
 
 def add_parser(sub) -> None:
-    serve = sub.add_parser("serve", help="the HTTP server at 1/8/32 clients vs sequential and batched generate")
-    serve.add_argument("--backend", default="torch", choices=["torch", "mindspore"])
+    serve = add_command(sub, "serve", "the HTTP server at 1/8/32 clients vs plain generate")
+    serve.add_argument("--backend", default="torch", choices=["torch", "mindspore"], help="the server's framework")
     serve.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
-    serve.add_argument("--requests", type=positive, default=64)
-    serve.add_argument("--max-tokens", type=positive, default=32)
-    serve.add_argument("--concurrency", type=positive_list, default="1,8,32")
-    serve.add_argument("--max-batch-size", type=positive, default=32)
-    serve.add_argument("--skip-offline", action="store_true", help="leave out the offline JSONL comparison")
+    serve.add_argument("--requests", type=positive, default=64, help="requests per concurrency level")
+    serve.add_argument("--max-tokens", type=positive, default=32, help="tokens each request generates (ignore_eos)")
+    serve.add_argument(
+        "--concurrency", type=positive_list, default="1,8,32", help="comma-separated numbers of concurrent clients"
+    )
+    serve.add_argument("--max-batch-size", type=positive, default=32, help="the server's --max-batch-size")
+    serve.add_argument(
+        "--skip-offline", action="store_true", help="leave out the offline JSONL comparison (default: run it)"
+    )

@@ -39,12 +39,18 @@ def format_conversation(tokenizer, messages) -> str:
 
 
 def _read_user_line():
-    """The next non-empty line (blank lines are ignored), None at EOF or an exit word."""
+    """The next non-empty line (blank lines are ignored), None at EOF or an exit word. A line that
+    is not UTF-8 (bytes the terminal could not decode) is refused with a note, as an overlong one."""
     while True:
         try:
             line = input("User: ")
         except EOFError:
             return None
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            print(f"(message is not UTF-8 text: {line[exc.start]!r} at character {exc.start}; try again)")
+            continue
         if line.strip():
             return None if line.strip().lower() in EXIT_WORDS else line
 

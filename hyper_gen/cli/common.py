@@ -5,14 +5,12 @@ server share with the CLI (user errors, the tokenizer, the JSONL runner) is in `
 
 from __future__ import annotations
 
-import os
-import re
-
 from hyper_gen import registry
 from hyper_gen.config import GenerationConfig
 from hyper_gen.demo import demo_model_path
 from hyper_gen.jobs.errors import UsageError
 from hyper_gen.jobs.tokenizer import check_tokenizer_files, load_tokenizer
+from hyper_gen.models.checkpoint import folder_problem
 from hyper_gen.models.loading import load_model
 from hyper_gen.parallel.launcher import (
     TIMEOUT_ENV,
@@ -103,18 +101,12 @@ def generation_config(args, defaults: dict) -> GenerationConfig:
 
 
 def model_path(args) -> str:
-    """The checkpoint folder the flags name, checked before anything is loaded."""
-    path = args.model or demo_model_path()
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    if not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
-        raise UsageError(
-            f"model path {path!r} is not a local folder: hyper_gen reads weights from a local checkpoint folder; "
-            f"download it first (e.g. huggingface-cli download {path} --local-dir DIR) and pass --model DIR"
-        )
-    if not os.path.exists(path):
-        raise UsageError(f"model path {path!r} does not exist")
-    raise UsageError(f"model path {path!r} is not an HF checkpoint folder (no config.json)")
+    """The checkpoint folder the flags name, checked before anything is loaded (load_model's words)."""
+    path = demo_model_path() if args.model is None else args.model  # --model "" is a path, not the default
+    problem = folder_problem(path, "pass --model DIR")
+    if problem is not None:
+        raise UsageError(problem)
+    return path
 
 
 def load_everything(args):

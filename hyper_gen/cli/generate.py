@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from hyper_gen.config import MAX_ROWS
 from hyper_gen.generation import generate
 from hyper_gen.jobs.complete import completions
 from hyper_gen.jobs.errors import UsageError
@@ -19,11 +20,17 @@ def run_generate(args) -> int:
         raise UsageError("give either --prompt TEXT (repeatable) or --input FILE.jsonl")
     if args.input and not args.output:
         raise UsageError("--input needs --output FILE.jsonl")
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    for prompt in args.prompt:
+    if not 1 <= args.batch_size <= MAX_ROWS:
+        raise UsageError(f"--batch-size must be in [1, {MAX_ROWS}] (hyper_gen.config.MAX_ROWS), got {args.batch_size}")
+    for number, prompt in enumerate(args.prompt, start=1):
         if not prompt.strip():
             raise UsageError(f"--prompt must not be empty, got {prompt!r}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes the shell passed that are not UTF-8 (surrogate-escaped)
+            raise UsageError(
+                f"{_which(number, args.prompt)} is not UTF-8 text: {prompt[exc.start]!r} at character {exc.start}"
+            ) from None
     if args.output and not args.input:
         raise UsageError("--output is for --input FILE.jsonl jobs; --prompt prints to stdout")
     # the job's paths and files are checked before the model loads, by every rank alike
@@ -36,6 +43,43 @@ def run_generate(args) -> int:
         return run_jsonl(
             model, tokenizer, config, job, args.batch_size, write=rank0, context=context, batching=args.batching
         )
+    check_prompts(args.prompt, tokenizer, context_length(model, tokenizer, model_path(args)))
+    try:
+        return _print_completions(args, model, tokenizer, config, rank0)
+    except (TypeError, ValueError) as exc:  # what generate() rejects in this input (it names the field and value)
+        raise UsageError(_first_line(exc)) from None
+
+
+def check_prompts(prompts, tokenizer, context) -> None:
+    """UsageError for a --prompt generate cannot take: one the tokenizer rejects, no tokens, or as
+    many tokens as the model's context or more (no room for a new one). A shorter prompt whose
+    completion would pass the context stops there, as generate() does."""
+    for number, prompt in enumerate(prompts, start=1):
+        which = _which(number, prompts)
+        try:
+            length = len(tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"])
+        except Exception as exc:  # any tokenizer failure is this prompt's
+            raise UsageError(f"{which}: the tokenizer rejects it: {_first_line(exc)}") from None
+        if length == 0:
+            raise UsageError(f"{which} has no tokens")
+        if context is not None and length >= context:
+            raise UsageError(
+                f"{which} is {length} tokens, {'more than' if length > context else 'as many as'} the model's "
+                f"context of {context} positions (prompt + generated tokens): no room for a new token; shorten "
+                f"it to under {context} tokens"
+            )
+
+
+def _which(number: int, prompts) -> str:
+    return f"--prompt {number}" if len(prompts) > 1 else "--prompt"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _print_completions(args, model, tokenizer, config, rank0: bool) -> int:
     if args.stream:
         for prompt in args.prompt:
             streamer = TextStreamer(

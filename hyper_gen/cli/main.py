@@ -6,15 +6,15 @@ rejected flag) print one line and exit with status 2.
 
 from __future__ import annotations
 
-import argparse
-import os
 import signal
 import sys
 import threading
 
 from hyper_gen import __version__, registry
 from hyper_gen.bench import main as bench_main
+from hyper_gen.bench.arguments import OneLineParser
 from hyper_gen.jobs.errors import Interrupted, UsageError
+from hyper_gen.jobs.logs import quiet_framework_logs
 from hyper_gen.parallel.launcher import launched_multi_rank, shutdown_distributed
 
 from .chat import run_chat
@@ -23,8 +23,9 @@ from .generate import run_generate
 from .serve import add_serve_flags, run_serve
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hyper-gen", description="One generate() for PyTorch and MindSpore models.")
+def build_parser() -> OneLineParser:
+    # usage errors are one line, exit 2, in every subcommand (the subparsers are of the same class)
+    parser = OneLineParser(prog="hyper-gen", description="One generate() for PyTorch and MindSpore models.")
     parser.add_argument("--version", action="version", version=f"hyper-gen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts, or a JSONL file of prompts")
@@ -48,15 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(serve)
     sub.add_parser("bench", help="benchmarks against HF generate and the roofline", add_help=False)
     return parser
-
-
-def quiet_framework_logs() -> None:
-    """Errors only from the frameworks' C++ logs (MindSpore's glog: ``GLOG_v``), unless ``-v``.
-
-    Set before a backend is imported, which is when MindSpore reads it; a value the user exported
-    wins. transformers' own warnings go the same way."""
-    os.environ.setdefault("GLOG_v", "3")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _sigterm_as_interrupt(signum, frame):

@@ -1,5 +1,6 @@
 """One batch of text prompts completed through ``generate``: the texts, token counts and finish
-reasons that the CLI prints and the JSONL runner writes."""
+reasons that the CLI prints and the JSONL runner writes. A finish reason is the engine's and the
+server's word (OpenAI's): "stop" (an EOS id ended the row) or "length" (it ran out of tokens)."""
 
 from __future__ import annotations
 
@@ -29,5 +30,5 @@ def completions(model, tokenizer, prompts, config, on_tokens=None):
             generated = generated[: config.max_new_tokens]
         texts.append(tokenizer.decode(generated, skip_special_tokens=True))
         counts.append(len(generated))
-        reasons.append("eos" if ended is not None else "length")
+        reasons.append("stop" if ended is not None else "length")
     return texts, counts, reasons

@@ -1,8 +1,11 @@
 """Offline JSONL generation (rollouts, evals) that survives interruption and bad input.
 
-Input lines are ``{"id": ..., "prompt": "..."}``. Rows run through the in-flight engine
-(``hyper_gen.engine``): ``--batch-size`` rows decode together and a finished row's slot is
-refilled with the next prompt at the next step, so a short completion never waits for the longest
+Input lines are ``{"id": ..., "prompt": "..."}`` (optionally ``"max_tokens"``); output lines
+``{"id", "prompt", "completion", "completion_tokens", "finish_reason"}``, the reason "stop" (an EOS
+ended the row) or "length", the engine's and the server's words (outputs written before said "eos"
+for "stop": a rerun reads only their ids, so they resume as any other). Rows run through the
+in-flight engine (``hyper_gen.engine``): ``--batch-size`` rows decode together and a finished row's
+slot is refilled with the next prompt at the next step, so a short completion never waits for the longest
 one of its batch (``batching="fixed"`` keeps the older fixed micro-batches, for comparison). Each
 result is appended as one JSON line and flushed (and fsynced) as soon as it finishes, so a killed
 run loses at most the rows in flight. Rerunning skips ids already in the output, and drops a
@@ -33,6 +36,7 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
+from hyper_gen.config import MAX_NEW_TOKENS
 from hyper_gen.engine import Engine, EngineDeadError, SamplingParams
 from hyper_gen.engine.engine import check_engine_model
 from hyper_gen.models.checkpoint import Checkpoint
@@ -144,6 +148,8 @@ def read_prompts(path: str):
                 limit = record.get("max_tokens")
                 if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
                     raise ValueError(f'"max_tokens" must be a positive integer, got {limit!r}')
+                if limit is not None and limit > MAX_NEW_TOKENS:
+                    raise ValueError(f'"max_tokens" must be <= {MAX_NEW_TOKENS} (MAX_NEW_TOKENS), got {limit}')
                 row = Row(number, record["id"], record["prompt"], limit)
                 if row.key in seen:
                     raise ValueError(f"duplicate id {record['id']!r}")
@@ -430,7 +436,7 @@ def _batch_completions(model, tokenizer, batch, config):
         ended = next((i for i, t in enumerate(ids) if t in eos), None)
         ids = ids if ended is None else ids[: ended + 1]
         results.append(
-            (tokenizer.decode(ids, skip_special_tokens=True), len(ids), "length" if ended is None else "eos")
+            (tokenizer.decode(ids, skip_special_tokens=True), len(ids), "length" if ended is None else "stop")
         )
     return results
 
@@ -481,4 +487,4 @@ def _result(stream):
         raise
     except (ValueError, TypeError) as exc:
         return exc
-    return choice.text, len(choice.token_ids), "eos" if choice.finish_reason == "stop" else choice.finish_reason
+    return choice.text, len(choice.token_ids), choice.finish_reason

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -113,6 +114,29 @@ def _all_finite(array: np.ndarray) -> bool:
     return bool(np.isfinite(array).all())
 
 
+# what a Hugging Face Hub model id looks like ("Qwen/Qwen3.5-0.8B"): a path that does not exist and
+# reads like one gets the download hint
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def folder_problem(path: str, then: str = "load it from DIR") -> Optional[str]:
+    """What keeps ``path`` from being an HF checkpoint folder, in one line, or None: the one wording of
+    load_model and the CLI (``then``: how the caller is given the folder, "pass --model DIR").
+    A Hub model id gets the download hint: hyper_gen never downloads."""
+    if os.path.isdir(path):
+        if not os.path.lexists(os.path.join(path, "config.json")):
+            return f"model path {path!r} has no config.json: not an HF checkpoint folder"
+        return None
+    if not os.path.exists(path) and _HUB_ID.fullmatch(path):
+        return (
+            f"model path {path!r} is not a local folder: hyper_gen reads weights from a local checkpoint folder; "
+            f"download it first (e.g. huggingface-cli download {path} --local-dir DIR) and {then}"
+        )
+    if not os.path.exists(path):
+        return f"model path {path!r} does not exist (expected an HF checkpoint folder)"
+    return f"model path {path!r} is not a directory (expected an HF checkpoint folder)"
+
+
 class Checkpoint:
     """An HF checkpoint folder: its config, generation defaults and tensors by (normalised) name."""
 
@@ -120,11 +144,10 @@ class Checkpoint:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"model path must be a str or PathLike, got {type(path).__name__}")
         path = os.fspath(path)
-        if not os.path.isdir(path):
-            raise ValueError(f"model path {path!r} is not a directory (expected an HF checkpoint folder)")
+        problem = folder_problem(path, "call load_model(DIR, ...)")
+        if problem is not None:
+            raise ValueError(problem)
         config_file = os.path.join(path, "config.json")
-        if not os.path.lexists(config_file):
-            raise ValueError(f"model path {path!r} has no config.json: not an HF checkpoint folder")
         self.full_config: dict = _read_json_object(config_file)
         self.path = path
         self.config_file = config_file

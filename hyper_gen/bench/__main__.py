@@ -1,0 +1,6 @@
+"""``python -m hyper_gen.bench ...``: the same as ``hyper-gen bench ...``."""
+
+from hyper_gen.bench import main
+
+if __name__ == "__main__":
+    main()
