@@ -55,10 +55,11 @@ def masked(ops, scores, mask):
     return ops.where(mask, NEG_INF, scores)
 
 
-def row_sums(scores):
-    """(B,) device: each row's sum, NaN when the row holds a NaN. ``Tensor.sum(axis)`` means the same
-    on torch and MindSpore; on MindSpore CPU it costs a third of ``max`` (which ignores NaN there)."""
-    return scores.sum(-1)
+def row_sums(ops, scores):
+    """(B,) device: each row's sum, NaN when the row holds a NaN (on MindSpore CPU a third of the cost
+    of ``max``, which ignores NaN there). Through the backend's ``sum``, whose MindSpore primitive
+    keeps no host memory a call (``Tensor.sum(axis)`` does)."""
+    return ops.sum(scores, -1)
 
 
 def unusable_rows(ops, scores, sums=None, active: Optional[np.ndarray] = None) -> List[Tuple[int, str]]:
@@ -68,7 +69,7 @@ def unusable_rows(ops, scores, sums=None, active: Optional[np.ndarray] = None) -
     A row's sum is finite unless the row holds NaN (sum NaN), +inf (+inf, or NaN beside -inf) or
     -inf (some or all of it): only then is the row max fetched (a second reduction, on those steps
     alone) to tell all -inf from some -inf and +inf from a finite overflow."""
-    total = ops.to_numpy(row_sums(scores) if sums is None else sums).reshape(-1).astype(np.float64)
+    total = ops.to_numpy(row_sums(ops, scores) if sums is None else sums).reshape(-1).astype(np.float64)
     suspect = ~np.isfinite(total)
     if active is not None:
         suspect &= active

@@ -144,7 +144,7 @@ class TokenSelector:
         warpers when sampling (on the device, also on the seeded path, whose draw warps on the host)."""
         cfg = self.config
         scores = self.process(scores, step, input_ids_view)
-        sums = processors.row_sums(scores)
+        sums = processors.row_sums(self.ops, scores)
         if cfg.do_sample:
             # before the draw: the framework's multinomial raises (torch) or picks silently (MindSpore) on
             # NaN, and the host sampler would warn

@@ -11,8 +11,6 @@ from mindspore import Tensor, mint, nn, ops
 from hyper_gen.backends.mindspore.primitives import (
     add,
     bmm,
-    bmm_ta_flag,
-    bmm_tb,
     cached,
     cast,
     exp,
@@ -89,7 +87,7 @@ def chunk_terms(q, k, v, g, beta, chunk: int = 0) -> dict:
     # (the Tensor operators dispatch the slower Mul: primitives); no operand is inf or nan
     decay = exp(add(sub(cum[..., :, None], cum[..., None, :]), upper))
     k_beta = mul_tiled(k, beta)
-    system = add(eye, mul_tiled(product(bmm_tb(k_beta, k), decay), strict_lower))
+    system = add(eye, mul_tiled(product(bmm(k_beta, k, tb=True), decay), strict_lower))
     exp_cum = exp(cum)[..., None]
     solved = _solve_lower(system, ops.concat([mul_tiled(v, beta), mul_tiled(k_beta, exp_cum)], -1))
     return {
@@ -98,7 +96,7 @@ def chunk_terms(q, k, v, g, beta, chunk: int = 0) -> dict:
         "shape": (b, h, dk, dv),
         "values": take(solved, -1, 0, dv),
         "k_cumdecay": take(solved, -1, dv, solved.shape[-1]),
-        "intra": product(bmm_tb(q, k), decay),
+        "intra": product(bmm(q, k, tb=True), decay),
         "q": mul_tiled(q, exp_cum),
         "k_decayed": mul_tiled(k, exp(sub(cum[..., -1:], cum))[..., None]),  # k^T of the state update
         "chunk_decay": exp(cum[..., -1])[..., None, None],
@@ -113,12 +111,12 @@ def chunk_scan(terms: dict, state, trim: bool = True):
     values, k_cumdecay, intra = terms["values"], terms["k_cumdecay"], terms["intra"]
     q, k_decayed, chunk_decay = terms["q"], terms["k_decayed"], terms["chunk_decay"]
     if state is None:
-        state = ops.zeros(terms["shape"], terms["dtype"])
+        state = zeros(terms["shape"], terms["dtype"])  # (read only: cached, no zeros kernel a prefill)
     outputs = []
     for i in range(values.shape[2]):  # chunk i of each term by take: a [:, :, i] view copies slowly
         v_new = sub(take(values, 2, i), bmm(take(k_cumdecay, 2, i), state))
         outputs.append(add(bmm(take(q, 2, i), state), bmm(take(intra, 2, i), v_new)))
-        state = add(product(state, take(chunk_decay, 2, i)), bmm_ta_flag(take(k_decayed, 2, i), v_new))
+        state = add(product(state, take(chunk_decay, 2, i)), bmm(take(k_decayed, 2, i), v_new, ta=True))
     out = outputs[0] if len(outputs) == 1 else ops.concat(outputs, 2)
     return (out[:, :, : terms["length"]] if terms["padded"] and trim else out), state
 

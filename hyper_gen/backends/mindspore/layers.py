@@ -11,7 +11,6 @@ from mindspore import Tensor, mint, nn, ops
 from hyper_gen.backends.mindspore.primitives import (
     add,
     bmm,
-    bmm_tb,
     cast,
     div,
     exp,
@@ -128,7 +127,7 @@ class GatedAttention(nn.Cell):
                 attention_mask = attention_mask[:, :, cp_step.start : cp_step.stop]
             attention_mask = attention_mask[..., : cp_step.layout.width]
         t = keys.shape[2]
-        scores = add(bmm_tb(q, keys).reshape(b, nkv, group, s, t), attention_mask[:, :, None])
+        scores = add(bmm(q, keys, tb=True).reshape(b, nkv, group, s, t), attention_mask[:, :, None])
         probs = cast(softmax(cast(scores, self.acc), -1), x.dtype)
         out = bmm(probs.reshape(b, nkv, group * s, t), values)
         # token-major again: row (b, head, position) of the (B, nh, S, D) output
@@ -157,7 +156,7 @@ class GatedAttention(nn.Cell):
             out = ops.zeros(q.shape, self.acc)
             lse = Tensor(np.full(q.shape[:-1] + (1,), np.finfo(numpy_dtype(self.acc)).min), self.acc)
         else:
-            scores = add(bmm_tb(q, cast(keys, self.acc)), cast(mask, self.acc))  # (B, nkv, group, T)
+            scores = add(bmm(q, cast(keys, self.acc), tb=True), cast(mask, self.acc))  # (B, nkv, group, T)
             top = ops.amax(scores, -1, True)
             weights = exp(sub(scores, top))
             total = sum_last(weights, -1)
@@ -182,7 +181,7 @@ def attention_pre_rows(sizes, x, eps, qkv_t, norm_eps, qk_norm, rotate, cos, sin
 def attend_rows(q, keys, values, mask, acc, dtype):
     """One decode token's attention: q (B, nkv, group, D) over keys / values (B, nkv, T, D) with
     the (B, 1, 1, T) additive mask, softmax in ``acc`` -> (B, nh * D) in ``dtype``."""
-    scores = add(bmm_tb(q, keys), mask)  # (B, 1, 1, T) over (B, nkv, group, T)
+    scores = add(bmm(q, keys, tb=True), mask)  # (B, 1, 1, T) over (B, nkv, group, T)
     out = cast(bmm(cast(softmax(cast(scores, acc), -1), dtype), values), dtype)
     return out.reshape(out.shape[0], -1)
 

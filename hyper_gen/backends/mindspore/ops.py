@@ -10,17 +10,13 @@ import numpy as np
 from mindspore import mint, ops
 
 from .launch import timeout_description
+from .primitives import cast, pad_axis
 
-_DTYPES = {
-    "float16": ms.float16,
-    "bfloat16": ms.bfloat16,
-    "float32": ms.float32,
-    "float64": ms.float64,
-    "int32": ms.int32,
-    "int64": ms.int64,
-    "bool": ms.bool_,
-}
+_DTYPES = {name: getattr(ms, name) for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64")}
+_DTYPES["bool"] = ms.bool_
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_NUMPY = {name: np.dtype(name) for name in _DTYPES if name != "bfloat16"}  # zeros from numpy
+_SUM, _SUM_KEEP = ops.ReduceSum(), ops.ReduceSum(keep_dims=True)
 _WIDE = (ms.float64, ms.int64)  # 8-byte dtypes the CPU collectives do not carry exactly
 
 
@@ -95,9 +91,7 @@ def _group_gather(x, group):
     top = tuple(int(n) for n in shapes.max(0))
     for axis, n in enumerate(top):  # pad to the largest shape anyone gathers now
         if x.shape[axis] < n:
-            pad = list(x.shape)
-            pad[axis] = n - x.shape[axis]
-            x = ops.cat((x, ops.zeros(tuple(pad), x.dtype)), axis)
+            x = pad_axis(x, axis, n - x.shape[axis])
     gathered = _world_gather(x)
     parts = []
     for rank in _members(group):
@@ -140,7 +134,9 @@ class MindSporeOps:
         return x if x.dtype == target else x.astype(target)
 
     def zeros(self, shape, dtype):
-        return ops.zeros(tuple(shape), ms_dtype(dtype))
+        if dtype == "bfloat16":  # the others from numpy: ops.zeros leaks host memory a call on CPU
+            return ops.zeros(tuple(shape), ms.bfloat16)
+        return ms.Tensor(np.zeros(tuple(shape), _NUMPY[dtype]))
 
     def param_dtype(self, model):
         if isinstance(model, ms.nn.Cell):
@@ -156,13 +152,13 @@ class MindSporeOps:
         return ops.where(cond, a, b)
 
     def argmax(self, x, axis=-1):
-        return ops.argmax(x, axis).astype(ms.int64)
+        return cast(ops.argmax(x, axis), ms.int64)  # int64 already in MindSpore 2.10: no cast kernel
 
     def max(self, x, axis=-1, keepdims=True):
         return x.max(axis=axis, keepdims=keepdims)
 
     def sum(self, x, axis=-1, keepdims=False):
-        return x.sum(axis=axis, keepdims=keepdims)
+        return (_SUM_KEEP if keepdims else _SUM)(x, axis)  # Tensor.sum(axis) leaks host memory a call
 
     def exp(self, x):
         return ops.exp(x)

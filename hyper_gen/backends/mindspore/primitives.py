@@ -3,7 +3,7 @@ kernels (docs/architecture.md, "MindSpore on CPU"); each choice's reason is at i
 
 from __future__ import annotations
 
-from typing import Dict
+from collections import OrderedDict
 
 import mindspore as ms
 import numpy as np
@@ -30,19 +30,18 @@ def cast(x: Tensor, dtype) -> Tensor:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-# MindSpore 2.10's CPU kernels never free the memory of a scalar argument (a transpose flag, an
-# axis): ~1.3 KB a MatMul call. mint.bmm takes none but is several times slower for the 2-D
-# products of a decode step (docs/performance.md), so the products stay MatMul / BatchMatMul and
-# the leak is cut where it is free to: the reductions below. (Against the functional ops.add /
-# ops.mul / ops.div in the whole decode step these primitives are no slower.)
+# MindSpore 2.10's PyNative CPU kernels keep some host memory of most calls with a scalar or tuple
+# argument (docs/performance.md, "Issue 27"). mint.bmm takes none but is several times slower for
+# a decode step's 2-D products, so projections stay MatMul; batched products, reductions and zeros
+# below avoid the leaking forms.
 matmul = ops.MatMul()
-bmm_tb = ops.BatchMatMul(transpose_b=True)
-bmm_ta_flag = ops.BatchMatMul(transpose_a=True)  # a^T @ b without a transposed copy of a
 
 
-def bmm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` over the last two axes, the leading axes equal: mint.bmm, which takes no scalar
-    argument (so leaks nothing) and is as fast as BatchMatMul for these small batched products."""
+def bmm(a: Tensor, b: Tensor, ta: bool = False, tb: bool = False) -> Tensor:
+    """``a @ b`` (``a^T`` / ``b^T`` with ``ta`` / ``tb``: transposed views) over the last two axes, the
+    leading axes equal: mint.bmm, which takes no scalar argument (so leaks nothing; BatchMatMul's
+    transpose flags do, for the same bits) and is as fast as BatchMatMul for these batched products."""
+    a, b = (mint.transpose(a, -1, -2) if ta else a), (mint.transpose(b, -1, -2) if tb else b)
     out = mint.bmm(a.reshape((-1,) + a.shape[-2:]), b.reshape((-1,) + b.shape[-2:]))
     return out.reshape(a.shape[:-2] + out.shape[-2:])
 
@@ -82,7 +81,8 @@ def product(x: Tensor, y: Tensor) -> Tensor:
 def mul_tiled(x: Tensor, y: Tensor) -> Tensor:
     """``x * y`` with ``y`` broadcast to x's shape by ``ops.tile`` first: MindSpore CPU's
     broadcasting MulNoNan is 2-3x slower than tiling a per-channel or per-row factor and
-    multiplying same-shape tensors (the same products, bitwise). For the large prefill operands."""
+    multiplying same-shape tensors (the same products, bitwise). For the large prefill operands.
+    (Tile leaks a little, but a ``broadcast_to`` view is 4-12x slower: the product copies it.)"""
     y = y.reshape((1,) * (x.ndim - y.ndim) + tuple(y.shape))
     if tuple(y.shape) != tuple(x.shape):
         y = ops.tile(y, tuple(a // c for a, c in zip(x.shape, y.shape)))
@@ -109,15 +109,21 @@ def rms_norm(x: Tensor, eps: Tensor) -> Tensor:
     return cast(normalize(cast(x, eps.dtype), eps), x.dtype)
 
 
-_CONSTANTS: Dict[tuple, object] = {}
+# keys can hold a prompt's length, so a server's would grow without end: the least recent are dropped
+MAX_CONSTANTS = 512
+_CONSTANTS: "OrderedDict[tuple, object]" = OrderedDict()
 
 
 def cached(key: tuple, make):
-    """The constant ``make()`` builds, once per ``key`` (tensors a PyNative step would otherwise
-    create again every call)."""
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = make()
-    return _CONSTANTS[key]
+    """``make()``'s constant, once per ``key`` among the ``MAX_CONSTANTS`` most recently used."""
+    value = _CONSTANTS.get(key)
+    if value is None:
+        value = _CONSTANTS[key] = make()
+        if len(_CONSTANTS) > MAX_CONSTANTS:
+            _CONSTANTS.popitem(last=False)
+    else:
+        _CONSTANTS.move_to_end(key)
+    return value
 
 
 def ones(shape: tuple, dtype) -> Tensor:
@@ -126,8 +132,10 @@ def ones(shape: tuple, dtype) -> Tensor:
 
 
 def zeros(shape: tuple, dtype) -> Tensor:
-    """A cached all-zeros tensor (never written: every use concatenates it)."""
-    return cached(("zeros", tuple(shape), dtype), lambda: ops.zeros(tuple(shape), dtype))
+    """A cached all-zeros tensor (never written: every use concatenates it), from numpy (ops.zeros leaks)."""
+    floats = (ms.float16, ms.float32, ms.float64)
+    make = (lambda: Tensor(np.zeros(shape, numpy_dtype(dtype)))) if dtype in floats else lambda: ops.zeros(shape, dtype)
+    return cached(("zeros", tuple(shape), dtype), make)
 
 
 def pad_axis(x: Tensor, axis: int, pad: int) -> Tensor:
