@@ -4,8 +4,9 @@ One background thread owns every model call (MindSpore's runtime is not thread-s
 owner makes the batch a plain data structure). Requests arrive from any thread through
 ``submit``; each step the thread
 
-1. takes the plan (``plan.py``): rows to drop (finished, cancelled, failed), requests to admit
-   (FIFO, while the batch has slots and the step's prefill budget lasts), shutdown;
+1. takes the plan (``plan.py``): rows to drop (finished, cancelled, aborted, failed), requests to
+   admit (FIFO, while the batch has slots and the step's prefill budget lasts), whether to hold
+   (paused: nothing below runs), shutdown; abort / pause / resume (``control.py``) come in here;
 2. drops those rows (``batch.py`` trims the columns nobody uses any more);
 3. decodes one token for every running row (one (B, 1) forward), picks each row's token with
    its own settings (``selector.py``) and streams it;
@@ -43,6 +44,7 @@ from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, gather_vocab_logits, parallel_group
 from ..registry import backend_for, thread_initializer
 from .batch import RaggedBatch
+from .control import Control, EngineControl, RecentIds
 from .outputs import ChoiceOutput, CompletionChunk, RequestOutput
 from .params import SamplingParams
 from .plan import Admission, StepPlan, share_plan
@@ -87,8 +89,9 @@ def _positive_int(name, value):
     return int(value)
 
 
-class Engine:
-    """In-flight batching engine over one model (see the module docstring).
+class Engine(EngineControl):
+    """In-flight batching engine over one model (see the module docstring); ``abort_all``, ``abort``,
+    ``pause`` and ``resume`` (control.py) end or hold requests at a step boundary.
 
     ``tokenizer``: any HF tokenizer, for chunk text and stop strings (None: ids only).
     ``max_batch_size``: rows (choices) decoded together. ``max_model_len``: positions a request may
@@ -140,6 +143,11 @@ class Engine:
         self._cancels: set = set()  # rank 0: serials whose streams asked to cancel
         self._live: dict = {}  # serial -> Request admitted and not yet closed
         self._drops: List[tuple] = []  # rank 0: rows to drop at the next plan
+        self._controls: List[Control] = []  # rank 0: abort / pause / resume tickets for the next plan
+        self._paused = False  # rank 0: plans hold the batch (no forward, no admission)
+        self._ended = RecentIds()  # rank 0: ids of requests that ended, for abort(id)
+        self._step_lock = threading.RLock()  # held by step(): a caller-driven engine's step boundary
+        self._loop_ident: Optional[int] = None  # the thread running steps (control calls must not wait on it)
         self._serials = itertools.count()
         self._state = "new"  # new -> running -> stopping -> stopped | dead
         self._error: Optional[BaseException] = None
@@ -154,52 +162,56 @@ class Engine:
         other down on a 2-core host)."""
         if self.rank != 0:
             raise RuntimeError(f"rank {self.rank} of a multi-rank engine runs engine.run_follower(), not start()")
+        thread = None
+        if background:
+            setup = thread_initializer(self.ops.name)  # the caller's settings (torch threads) on the engine thread
+            thread = threading.Thread(target=self._run, args=(setup,), name="hyper_gen-engine", daemon=True)
         with self._cond:
             if self._state != "new":
                 raise RuntimeError(f"the engine was already started (it is {self._state})")
-            self._state = "running"
-        if not background:
-            return self
-        setup = thread_initializer(self.ops.name)  # the caller's settings (torch threads) on the engine thread
-        self._thread = threading.Thread(target=self._run, args=(setup,), name="hyper_gen-engine", daemon=True)
-        self._thread.start()
+            self._state, self._thread = "running", thread  # together: a control call sees which kind it is
+        if thread is not None:
+            thread.start()
         return self
 
     def step(self) -> bool:
         """One step on the calling thread, for an engine started with ``start(background=False)``:
-        admissions, one decode for every running row, drops. False when nothing is queued or running."""
+        admissions, one decode for every running row, drops. False when nothing is queued or running,
+        or while the engine is paused (no forward runs then)."""
         if self._thread is not None:
             raise RuntimeError("this engine runs its own thread: step() is for start(background=False)")
         self._check_running()
-        with self._cond:
-            plan, aborted = self._plan_step()
-        for request in aborted:
-            self._abort(request)
-        if plan.empty and not len(self._batch):
-            return bool(self._waiting)
-        try:
-            if self.world_size > 1:
-                share_plan(self.ops, plan)
-            with self.ops.no_grad():
-                self._execute(plan)
-        except BaseException as error:
-            self._die(error)
-            raise
+        with self._step_lock:
+            self._loop_ident = threading.get_ident()
+            try:
+                with self._cond:
+                    plan, aborted, tickets = self._plan_step()
+                self._settle(aborted, tickets)
+                if self._idle(plan):
+                    return bool(self._waiting) and not self._paused
+                try:
+                    if self.world_size > 1:
+                        share_plan(self.ops, plan)
+                    with self.ops.no_grad():
+                        self._execute(plan)
+                except BaseException as error:
+                    self._die(error)
+                    raise
+            finally:
+                self._loop_ident = None
         return True
 
     def _stop_inline(self) -> None:
         """shutdown() of an engine without a thread: what the thread's last plan would do."""
-        with self._cond:
-            aborted = list(self._waiting) + list(self._live.values())
-            self._waiting.clear()
-            plan = StepPlan(drops=self._take_drops(aborted), shutdown=True)
-        for request in aborted:
-            self._abort(request)
-        if self.world_size > 1:
-            share_plan(self.ops, plan)
-        self._execute(plan)
-        with self._cond:
-            self._state = "stopped"
+        with self._step_lock:
+            with self._cond:
+                plan, aborted, tickets = self._shutdown_plan()
+            self._settle(aborted, tickets)
+            if self.world_size > 1:
+                share_plan(self.ops, plan)
+            self._execute(plan)
+            with self._cond:
+                self._state = "stopped"
 
     def shutdown(self, timeout: Optional[float] = 60.0) -> None:
         """Stop: requests still queued or running end with finish_reason "abort"; the other ranks'
@@ -340,6 +352,7 @@ class Engine:
 
     # ---- the engine thread (rank 0) ------------------------------------------------------
     def _run(self, setup=None) -> None:
+        self._loop_ident = threading.get_ident()
         try:
             if setup is not None:
                 setup()
@@ -359,24 +372,35 @@ class Engine:
     def _next_plan(self) -> StepPlan:
         """Rank 0: the next step's plan; waits while there is nothing to do (heartbeats when multi-rank)."""
         while True:
-            aborted = []
             with self._cond:
                 if self._state != "running":
-                    aborted = list(self._waiting) + list(self._live.values())
-                    self._waiting.clear()
-                    plan = StepPlan(drops=self._take_drops(aborted), shutdown=True)
+                    plan, aborted, tickets = self._shutdown_plan()
                 else:
-                    plan, aborted = self._plan_step()
-                    if plan.empty and not len(self._batch) and not aborted:  # idle
+                    plan, aborted, tickets = self._plan_step()
+                    if self._idle(plan) and not aborted and not tickets:  # idle, or paused
                         self._cond.wait(self._heartbeat_s if self.world_size > 1 else 1.0)
-                        idle = self._state == "running" and not (self._waiting or self._cancels)
-                        if idle and self.world_size > 1:
-                            return plan  # an empty plan: the heartbeat the other ranks wait for
+                        if self.world_size > 1 and self._state == "running" and not self._pending():
+                            return plan  # nothing to run: the heartbeat the other ranks wait for
                         continue
-            for request in aborted:
-                self._abort(request)
-            if not plan.empty or len(self._batch):
+            self._settle(aborted, tickets)
+            if not self._idle(plan):
                 return plan
+
+    def _pending(self) -> bool:
+        """Whether something waits for the next plan (lock held)."""
+        return bool(self._cancels or self._controls or (self._waiting and not self._paused))
+
+    def _idle(self, plan: StepPlan) -> bool:
+        """Whether running ``plan`` would change nothing: no row joins or leaves and none decodes."""
+        return not (plan.admissions or plan.drops or plan.shutdown) and (plan.hold or not len(self._batch))
+
+    def _shutdown_plan(self):
+        """The last plan: every request still queued or running ends (lock held)."""
+        aborted, tickets = self._take_controls()
+        aborted += list(self._waiting) + list(self._live.values())
+        self._waiting.clear()
+        self._paused = False
+        return StepPlan(drops=self._take_drops(aborted), shutdown=True), aborted, tickets
 
     def _take_drops(self, requests) -> list:
         drops = self._drops + [c.key for r in requests for c in r.choices]
@@ -384,7 +408,8 @@ class Engine:
         return drops
 
     def _plan_step(self):
-        """(plan, requests to abort) from the queue, the cancels and the rows that ended (lock held)."""
+        """(plan, requests to abort, control tickets) from the queue, the cancels, the abort / pause
+        tickets and the rows that ended (lock held). A paused engine's plan holds the batch."""
         cancelled = []
         for serial in self._cancels:
             queued = [r for r in self._waiting if r.serial == serial]
@@ -394,7 +419,11 @@ class Engine:
             if serial in self._live:
                 cancelled.append(self._live[serial])
         self._cancels.clear()
+        aborted, tickets = self._take_controls()
+        cancelled += aborted
         drops = self._take_drops([r for r in cancelled if r.choices])
+        if self._paused:
+            return StepPlan(drops=drops, hold=True), cancelled, tickets
         admissions = []
         free = self.max_batch_size - len(self._batch) + sum(1 for d in drops if self._in_batch(d))
         wanted = sum(r.params.n for r in itertools.islice(self._waiting, self.admit_batch))
@@ -412,7 +441,7 @@ class Engine:
             admissions.append(
                 Admission(request.serial, request.request_id, request.prompt, request.params, request.noise_seed)
             )
-        return StepPlan(admissions, drops), cancelled
+        return StepPlan(admissions, drops), cancelled, tickets
 
     def _in_batch(self, key) -> bool:
         return any(row.key == key for row in self._batch.rows)
@@ -427,6 +456,7 @@ class Engine:
         dead.__cause__ = error
         for request in requests:
             self._close(request, error=dead)
+        self._fail_controls(dead)
         if self.world_size > 1:
             try:  # let the other ranks leave run_follower instead of waiting out their timeout
                 share_plan(self.ops, StepPlan(shutdown=True))
@@ -454,6 +484,8 @@ class Engine:
                 self._forget(gone)
             if plan.shutdown:
                 self._batch.clear()
+                return
+            if plan.hold:  # paused: the rows keep their cache, nothing runs
                 return
             if len(self._batch):
                 self._decode()
@@ -568,7 +600,7 @@ class Engine:
             self._close(request, output=self._output(request))
 
     def _abort(self, request: Request) -> None:
-        """End a request now (cancel, shutdown): its open choices get a final "abort" chunk."""
+        """End a request now (cancel, abort, shutdown): its open choices get a final "abort" chunk."""
         if request.closed:
             return
         if not request.choices:  # still queued
@@ -590,6 +622,7 @@ class Engine:
     def _close(self, request: Request, output=None, error=None) -> None:
         request.closed = True
         if request.stream is not None:
+            self._ended.add(request.request_id)  # before the stream ends: abort(id) then finds it ended
             request.stream._close(output, error)
 
     @staticmethod

@@ -3,8 +3,9 @@
 A multi-rank model (tensor parallel: every rank holds a slice of every layer) needs every rank to
 run the same forwards on the same rows. Rank 0 owns the request queue, so each step it writes
 down what only it knows: the requests admitted (prompt, settings, the noise seed of a
-``seed=None`` request), the rows it ended on its own (a stop string found in the text, a cancel),
-and whether to shut down. Everything else (tokens, EOS, ``max_tokens``) follows from the
+``seed=None`` request), the rows it ended on its own (a stop string found in the text, a cancel,
+an abort), whether the engine is paused (``hold``: no forward this step, the rows keep their
+cache) and whether to shut down. Everything else (tokens, EOS, ``max_tokens``) follows from the
 gathered logits, which are the same on every rank. The plan travels as UTF-8 JSON through
 ``broadcast_text`` (int32 broadcasts, which every backend has); an empty plan is one 4-byte
 broadcast, so a decode step adds one small collective. While rank 0 has nothing to do it sends
@@ -35,10 +36,11 @@ class StepPlan:
     admissions: List[Admission] = field(default_factory=list)
     drops: List[Tuple[int, int]] = field(default_factory=list)  # (request serial, choice index)
     shutdown: bool = False
+    hold: bool = False  # paused: drop what ``drops`` names, then run nothing
 
     @property
     def empty(self) -> bool:
-        return not (self.admissions or self.drops or self.shutdown)
+        return not (self.admissions or self.drops or self.shutdown or self.hold)
 
     def encode(self) -> str:
         if self.empty:
@@ -50,6 +52,7 @@ class StepPlan:
                 ],
                 "drop": [list(d) for d in self.drops],
                 "shutdown": self.shutdown,
+                "hold": self.hold,
             }
         )
 
@@ -64,7 +67,7 @@ class StepPlan:
             Admission(serial, request_id, prompt, SamplingParams(**params), int(seed))
             for serial, request_id, prompt, params, seed in data["admit"]
         ]
-        return cls(admissions, [tuple(d) for d in data["drop"]], bool(data["shutdown"]))
+        return cls(admissions, [tuple(d) for d in data["drop"]], bool(data["shutdown"]), bool(data.get("hold")))
 
 
 def share_plan(ops, plan: StepPlan = None) -> StepPlan:
