@@ -9,9 +9,11 @@ from .config import GenerationConfig
 from .generation import generate
 from .mixin import GenerateMixin
 from .outputs import GenerateOutput
+from .scoring import score
 
 __all__ = [
     "generate",
+    "score",
     "GenerationConfig",
     "GenerateOutput",
     "KVCache",

@@ -23,6 +23,9 @@ MAX_ROWS = 1 << 16
 MAX_NEW_TOKENS = 2**31 - 1
 # token ids (pad, EOS) are int64 on the host and the device
 MAX_TOKEN_ID = 2**63 - 1
+# top_logprobs: the most alternatives reported per token, vLLM's default max_logprobs and OpenAI's
+# top_logprobs limit (the engine's SamplingParams.logprobs has the same bound)
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -61,6 +64,8 @@ class GenerationConfig:
     stop_strings: Optional[Union[str, List[str]]] = None
     synced_gpus: Optional[bool] = None
     unshard_params: bool = False
+    # with output_logprobs: the k most probable tokens of every step under the raw model (vLLM's logprobs=k)
+    top_logprobs: int = 0
 
     def __post_init__(self):
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1, maximum=MAX_NEW_TOKENS, bound="MAX_NEW_TOKENS")
@@ -94,6 +99,12 @@ class GenerationConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS, bound="MAX_TOP_LOGPROBS")
+        if self.top_logprobs and not self.output_logprobs:
+            raise ValueError(
+                f"top_logprobs={self.top_logprobs} needs output_logprobs=True (and return_dict_in_generate=True): "
+                "the top tokens are reported beside each chosen token's logprob"
+            )
         if self.synced_gpus is not None and not isinstance(self.synced_gpus, bool):
             raise TypeError(f"synced_gpus must be a bool or None (decide from the model), got {self.synced_gpus!r}")
         _check_int("num_return_sequences", self.num_return_sequences, minimum=1, maximum=MAX_ROWS, bound="MAX_ROWS")
@@ -113,7 +124,15 @@ class GenerationConfig:
             raise ValueError(
                 f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {self.cache_implementation!r}"
             )
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "pad_token_id", "seed", "num_return_sequences"):
+        for name in (
+            "max_new_tokens",
+            "min_new_tokens",
+            "top_k",
+            "pad_token_id",
+            "seed",
+            "num_return_sequences",
+            "top_logprobs",
+        ):
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -278,4 +297,12 @@ def resolve_config(generation_config: Optional[GenerationConfig], overrides: dic
         raise
 
 
-__all__ = ["GenerationConfig", "resolve_config", "CACHE_IMPLEMENTATIONS", "MAX_ROWS", "MAX_NEW_TOKENS", "MAX_TOKEN_ID"]
+__all__ = [
+    "GenerationConfig",
+    "resolve_config",
+    "CACHE_IMPLEMENTATIONS",
+    "MAX_ROWS",
+    "MAX_NEW_TOKENS",
+    "MAX_TOKEN_ID",
+    "MAX_TOP_LOGPROBS",
+]

@@ -217,10 +217,23 @@ class _Driver:
             self._device(full_sequence_mask(self.host_mask, self.dtype), self.dtype, "attention_mask"),
         )
 
+    def all_logits(self):
+        """Every position's logits (B, S, V) of the prompt batch in one forward without a cache (what
+        ``hyper_gen.score`` reads): the forward generate's ``use_cache=False`` recompute makes, the same
+        ids, positions and mask, with no logit dropped."""
+        return self._call_full(
+            self.ops.asarray(self.host_ids, "int64"),
+            self._device(cumsum_positions(self.host_mask), "int64", "position_ids"),
+            self._device(full_sequence_mask(self.host_mask, self.dtype), self.dtype, "attention_mask"),
+            keep=0,
+        )
+
     def prefill(self):
         raise NotImplementedError
 
-    def _call_full(self, ids, positions, mask):
+    def _call_full(self, ids, positions, mask, keep: int = 1):
+        """A forward over the whole sequence; ``keep``: the logits kept (1 the last position's, 0 all)
+        where the contract lets the model drop the others."""
         raise NotImplementedError
 
     def _call_decode(self, tokens_device, positions, mask):
@@ -235,7 +248,7 @@ class ReturnedCacheDriver(_Driver):
         self.cache = KVCache()
         self.use_cache = self.config.use_cache and self.signature.accepts("past_key_values")
 
-    def _call_full(self, ids, positions, mask):
+    def _call_full(self, ids, positions, mask, keep: int = 1):
         return logits_of(self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=None))
 
     def prefill(self):
@@ -277,12 +290,12 @@ class CacheObjectDriver(_Driver):
         # positions a static cache's length is rounded up to (hyper_gen.cache.static_length)
         self.static_multiple = int(getattr(self.model, "static_cache_multiple", 1))
 
-    def _call_full(self, ids, positions, mask):
+    def _call_full(self, ids, positions, mask, keep: int = 1):
         cache = make_cache("dynamic", self.ops, self.host_ids.shape[0], self.host_ids.shape[1])
         if self.prompt.padded:
             cache.prompt_mask = self.ops.asarray(self.host_mask, self.dtype)
         return logits_of(
-            self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, logits_to_keep=1)
+            self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, logits_to_keep=keep)
         )
 
     def prefill(self):
@@ -348,8 +361,10 @@ class HFDriver(_Driver):
         self._fixed = fixed
         self._cache = None
 
-    def _forward(self, ids, positions):
+    def _forward(self, ids, positions, keep: int = 1):
         kwargs = dict(self._fixed)
+        if "logits_to_keep" in kwargs:
+            kwargs["logits_to_keep"] = keep
         if self.cache_argument is not None:  # None while use_cache=False, as HF passes it
             kwargs[self.cache_argument] = self._cache
         if self.signature.accepts("attention_mask"):  # HF drops an all-ones mask before the first forward
@@ -361,6 +376,11 @@ class HFDriver(_Driver):
     def _full_recompute(self):
         positions = self._device(cumsum_positions(self.host_mask), "int64", "position_ids")
         return self._forward(self.ops.asarray(self.host_ids, "int64"), positions)
+
+    def all_logits(self):
+        """Every position's logits, HF's inputs (2-D mask, cumsum positions), without a cache."""
+        positions = self._device(cumsum_positions(self.host_mask), "int64", "position_ids")
+        return self._forward(self.ops.asarray(self.host_ids, "int64"), positions, keep=0)
 
     def prefill(self):
         if self.use_cache:

@@ -183,14 +183,18 @@ class _DecodeLoop:
         step = 0
         while True:
             if not done_here:
-                raw = ops.cast(gather_vocab_logits(ops, self.model, logits[:, -1]), "float32")
+                full = gather_vocab_logits(ops, self.model, logits[:, -1])
+                raw = ops.cast(full, "float32")  # tokens are chosen from float32 scores, as HF chooses them
+                # a float64 model's logprobs come from its float64 logits
+                wants_wide = recorder is not None and recorder.wants_wide
+                wide = full if wants_wide and ops.dtype_name(full) == "float64" else None
                 if selector is None:
                     if self.limits.vocab_size is None:  # undeclared: the logits tell, before the first token
                         check_vocabulary(prompt, config, int(raw.shape[-1]), "the width of its logits")
                     offset = sync.row_offset if sync is not None else 0
                     selector = TokenSelector(ops, config, prompt, int(raw.shape[-1]), row_offset=offset)
                     selector.keep_scores = recorder is not None and (config.output_scores or config.output_logprobs)
-                tokens = selector.select(raw, step, ids_view, unfinished)
+                tokens = selector.select(raw, step, ids_view, unfinished, wide=wide)
                 tokens = agree_on_tokens(ops, self.model, config, tokens)  # framework-RNG draws: rank 0's
                 tokens = np.where(unfinished, tokens, pad)
                 if step == generated.shape[1]:
@@ -202,7 +206,7 @@ class _DecodeLoop:
                 tokens_device = ops.asarray(tokens[:, None], "int64")
                 selector.observe(tokens_device)
                 if recorder is not None:
-                    recorder.record(raw, selector.last_scores, tokens_device)
+                    recorder.record(raw, selector.last_scores, tokens_device, wide, selector.last_wide_scores)
                 if needs_ids:
                     ids_view = ops.concat([ids_view, tokens_device], 1)
                 running = unfinished.copy() if self.stops is not None else None  # before EOS ends rows

@@ -13,6 +13,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from .sampling import chosen_and_top_logprobs, log_softmax
+
 
 class HostInts(np.ndarray):
     """A (B,) int64 host array whose elements come out as Python ints: by index, by iteration and from
@@ -48,9 +50,16 @@ class GenerateOutput:
       temperature / top-k / top-p / min-p warpers when sampling);
     - ``logits``: with ``output_logits=True``, one (B, V) float32 tensor per step, the model's raw
       (vocab-gathered) logits;
-    - ``logprobs`` / ``raw_logprobs``: with ``output_logprobs=True``, (B, T) float32 tensors: the
-      chosen token's log-softmax under ``scores`` (the distribution sampled from) and under the raw
-      ``logits``; 0 past a row's end.
+    - ``logprobs`` / ``raw_logprobs``: with ``output_logprobs=True``, (B, T) tensors: the chosen
+      token's log-softmax under ``scores`` (the distribution sampled from) and under the raw
+      ``logits``; 0 past a row's end. float32, or float64 for a model whose logits are float64
+      (computed from its float64 logits: the processors and temperature redone in float64 on the
+      support the float32 chain kept; a ``logits_processor``'s float32 result is used as is);
+      ``hyper_gen.score`` on the returned sequences gives ``raw_logprobs`` again;
+    - ``top_logprobs`` / ``top_logprob_ids``: with ``output_logprobs=True`` and ``top_logprobs=k``,
+      (B, T, k) tensors: each step's k most probable tokens under the raw ``logits`` (vLLM's
+      ``logprobs=k``, the engine's ``top_logprobs``), best first: their log-softmax (the dtype of
+      ``raw_logprobs``) and their ids (int64); 0 and ``pad_token_id`` past a row's end.
     """
 
     sequences: Any
@@ -60,6 +69,8 @@ class GenerateOutput:
     logits: Optional[Tuple[Any, ...]] = None
     logprobs: Optional[Any] = None
     raw_logprobs: Optional[Any] = None
+    top_logprobs: Optional[Any] = None
+    top_logprob_ids: Optional[Any] = None
 
     def __getitem__(self, name: str):
         """``out["sequences"]`` as on HF's ``ModelOutput``."""
@@ -77,31 +88,49 @@ class StepRecorder:
 
     def __init__(self, ops, config):
         self.ops = ops
+        self.pad_token_id = config.pad_token_id
         self.scores = [] if config.output_scores else None
         self.logits = [] if config.output_logits else None
         self.logprobs = [] if config.output_logprobs else None
         self.raw_logprobs = [] if config.output_logprobs else None
+        self.top_k = config.top_logprobs if config.output_logprobs else 0
+        self.top_logprobs = [] if self.top_k else None
+        self.top_logprob_ids = [] if self.top_k else None
 
-    def record(self, raw, processed, tokens_device) -> None:
-        """One step: ``raw`` (B, V) float32 logits, ``processed`` the scores sampled from, the chosen (B, 1)."""
+    @property
+    def wants_wide(self) -> bool:
+        """Whether the step's float64 logits are worth handing over (they are for the logprobs only)."""
+        return self.logprobs is not None
+
+    def record(self, raw, processed, tokens_device, wide=None, wide_processed=None) -> None:
+        """One step: ``raw`` (B, V) float32 logits, ``processed`` the scores sampled from, the chosen (B, 1);
+        ``wide`` / ``wide_processed``: the same in float64 (a float64 model), which the logprobs then use."""
         ops = self.ops
         if self.scores is not None:
             self.scores.append(processed)
         if self.logits is not None:
             self.logits.append(raw)
         if self.logprobs is not None:
-            self.logprobs.append(ops.take_along_axis(ops.log_softmax(processed, -1), tokens_device, -1))
-            self.raw_logprobs.append(ops.take_along_axis(ops.log_softmax(raw, -1), tokens_device, -1))
+            sampled_from = processed if wide_processed is None else wide_processed
+            self.logprobs.append(ops.take_along_axis(log_softmax(ops, sampled_from), tokens_device, -1))
+            chosen, values, ids = chosen_and_top_logprobs(ops, raw if wide is None else wide, tokens_device, self.top_k)
+            self.raw_logprobs.append(chosen)
+            if self.top_k:
+                self.top_logprobs.append(values[:, None, :])
+                self.top_logprob_ids.append(ids[:, None, :])
 
     def finish(self, sequences, prompt_lengths, generated_lengths) -> GenerateOutput:
         ops = self.ops
-        logprobs = raw_logprobs = None
+        logprobs = raw_logprobs = top_logprobs = top_logprob_ids = None
         if self.logprobs is not None:
             steps = len(self.logprobs)
             inside = np.arange(steps)[None, :] < generated_lengths[:, None]  # (B, T): a row's own tokens
-            inside = ops.asarray(inside, "bool")
-            logprobs = ops.where(inside, ops.concat(self.logprobs, 1), 0.0)
-            raw_logprobs = ops.where(inside, ops.concat(self.raw_logprobs, 1), 0.0)
+            logprobs = ops.where(ops.asarray(inside, "bool"), ops.concat(self.logprobs, 1), 0.0)
+            raw_logprobs = ops.where(ops.asarray(inside, "bool"), ops.concat(self.raw_logprobs, 1), 0.0)
+            if self.top_k:
+                inside = ops.asarray(inside[:, :, None], "bool")
+                top_logprobs = ops.where(inside, ops.concat(self.top_logprobs, 1), 0.0)
+                top_logprob_ids = ops.where(inside, ops.concat(self.top_logprob_ids, 1), self.pad_token_id)
         return GenerateOutput(
             sequences=sequences,
             prompt_lengths=HostInts(prompt_lengths),
@@ -110,4 +139,6 @@ class StepRecorder:
             logits=None if self.logits is None else tuple(self.logits),
             logprobs=logprobs,
             raw_logprobs=raw_logprobs,
+            top_logprobs=top_logprobs,
+            top_logprob_ids=top_logprob_ids,
         )

@@ -46,6 +46,7 @@ class TokenSelector:
         self.row_offset = row_offset  # this batch's first global row (data-parallel ranks): seeded noise key
         self.keep_scores = bool(config.output_scores or config.output_logprobs)
         self.last_scores = None
+        self.last_wide_scores = None  # last_scores recomputed from float64 logits (select's ``wide``)
         self._eos_mask = processors.token_mask(ops, config.eos_token_ids, vocab_size) if config.min_new_tokens else None
         self._seen = None
         if config.repetition_penalty != 1.0:
@@ -137,25 +138,72 @@ class TokenSelector:
         host = ops.to_numpy(scores)
         return sample_candidates(host, np.broadcast_to(np.arange(host.shape[1]), host.shape), cfg, step, rows)
 
-    def select(self, scores, step: int, input_ids_view=None, active: Optional[np.ndarray] = None) -> np.ndarray:
+    def select(
+        self, scores, step: int, input_ids_view=None, active: Optional[np.ndarray] = None, wide=None
+    ) -> np.ndarray:
         """(B,) host int64 tokens; ``active`` (B,) bool: the rows still running (the only ones whose
         non-finite scores raise; None = all). With ``keep_scores``, ``last_scores`` is the step's
         distribution as HF's ``output_scores`` reports it: after the processors, and after the
-        warpers when sampling (on the device, also on the seeded path, whose draw warps on the host)."""
+        warpers when sampling (on the device, also on the seeded path, whose draw warps on the host).
+        ``wide``: the step's float64 logits (a float64 model), from which ``last_wide_scores`` is
+        recomputed (the tokens are still chosen from the float32 ``scores``, as HF chooses them)."""
         cfg = self.config
-        scores = self.process(scores, step, input_ids_view)
-        sums = processors.row_sums(self.ops, scores)
+        processed = self.process(scores, step, input_ids_view)
+        sums = processors.row_sums(self.ops, processed)
         if cfg.do_sample:
             # before the draw: the framework's multinomial raises (torch) or picks silently (MindSpore) on
             # NaN, and the host sampler would warn
-            self._check_finite(scores, sums, step, active)
-            warped = self.warp(scores) if (self.keep_scores or cfg.seed is None) else None
+            self._check_finite(processed, sums, step, active)
+            warped = self.warp(processed) if (self.keep_scores or cfg.seed is None) else None
             self.last_scores = warped
-            return self._draw(scores, warped, step).astype(np.int64).reshape(-1)
-        tokens = self._draw(scores, None, step)  # argmax cannot fail: its sync first, then the check's small copy
-        self._check_finite(scores, sums, step, active)
-        self.last_scores = scores
+            self.last_wide_scores = self._widened(wide)
+            return self._draw(processed, warped, step).astype(np.int64).reshape(-1)
+        tokens = self._draw(processed, None, step)  # argmax cannot fail: its sync first, then the check's small copy
+        self._check_finite(processed, sums, step, active)
+        self.last_scores = processed
+        self.last_wide_scores = self._widened(wide)
         return tokens.astype(np.int64).reshape(-1)
+
+    def _widened(self, wide):
+        """``last_scores`` computed from the float64 logits ``wide`` (None without them): the repetition
+        penalty and the temperature in float64, -inf where the float32 chain cut a token (top-k / top-p /
+        min-p / min_new_tokens), so the float64 distribution has the support the token was drawn from.
+        A user's ``logits_processor`` runs once, on the float32 scores: then its result, cast."""
+        if wide is None or not self.keep_scores or self.last_scores is None:
+            return None
+        ops, cfg = self.ops, self.config
+        if cfg.logits_processor:
+            return ops.cast(self.last_scores, "float64")
+        scores = wide
+        if self._seen is not None:  # not yet marked with this step's tokens: observe() comes after
+            scores = processors.repetition_penalty(ops, scores, self._seen, cfg.repetition_penalty)
+        if cfg.do_sample and cfg.temperature != 1.0:
+            scores = scores / cfg.temperature
+        return ops.where(self.last_scores == NEG_INF, NEG_INF, scores)
+
+
+def log_softmax(ops, x):
+    """``ops.log_softmax(x, -1)``, exact in float64: MindSpore CPU's float64 LogSoftmax rounds like
+    float32 (3e-6 off on the demo model's logits), so float64 is ``x - max - log(sum(exp(x - max)))``,
+    the log of the (..., 1) row sums taken on the host (the backends have no ``log``)."""
+    if ops.dtype_name(x) != "float64":
+        return ops.log_softmax(x, -1)
+    shifted = x - ops.max(x, -1, keepdims=True)
+    sums = ops.to_numpy(ops.sum(ops.exp(shifted), -1, keepdims=True))
+    with np.errstate(divide="ignore"):
+        return shifted - ops.asarray(np.log(sums), "float64")
+
+
+def chosen_and_top_logprobs(ops, logits, tokens, k: int):
+    """``log_softmax(logits)`` (B, V) at the (B, 1) device int64 ``tokens``, and its ``k`` largest
+    values with their token ids (B, min(k, V)) (None, None for k = 0): vLLM's ``logprobs=k``, in the
+    logits' dtype. generate's ``top_logprobs`` reads it; the engine's per-request logprobs are the same math."""
+    logprobs = log_softmax(ops, logits)
+    chosen = ops.take_along_axis(logprobs, tokens, -1)
+    if not k:
+        return chosen, None, None
+    values, indices = ops.topk(logprobs, min(int(k), int(logits.shape[-1])))
+    return chosen, values, indices
 
 
 def _name(fn) -> str:
