@@ -21,6 +21,7 @@ __all__ = [
     "DynamicCache",
     "GenerateMixin",
     "load_model",
+    "update_weights",
 ]
 __version__ = "0.1.0"
 
@@ -30,3 +31,11 @@ def load_model(*args, **kwargs):
     from .models.loading import load_model as _load_model
 
     return _load_model(*args, **kwargs)
+
+
+def update_weights(model, weights) -> int:
+    """Write a trainer's ``(name, tensor)`` pairs (HF checkpoint names) into a model from ``load_model``,
+    all or nothing (see ``hyper_gen.models.weight_update.update_weights``); returns how many were applied."""
+    from .models.weight_update import update_weights as _update_weights
+
+    return _update_weights(model, weights)

@@ -66,6 +66,8 @@ class GenerationConfig:
     unshard_params: bool = False
     # with output_logprobs: the k most probable tokens of every step under the raw model (vLLM's logprobs=k)
     top_logprobs: int = 0
+    # MoE models: every generated token's router choices, per MoE layer (GenerateOutput.routed_experts)
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1, maximum=MAX_NEW_TOKENS, bound="MAX_NEW_TOKENS")
@@ -96,9 +98,15 @@ class GenerationConfig:
             "output_logits",
             "output_logprobs",
             "unshard_params",
+            "return_routed_experts",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.return_routed_experts and not self.return_dict_in_generate:
+            raise ValueError(
+                "return_routed_experts=True needs return_dict_in_generate=True: the routed experts are "
+                "returned as GenerateOutput.routed_experts"
+            )
         _check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS, bound="MAX_TOP_LOGPROBS")
         if self.top_logprobs and not self.output_logprobs:
             raise ValueError(

@@ -15,7 +15,7 @@ import numpy as np
 from .config import GenerationConfig, resolve_config
 from .drivers import make_driver
 from .inputs import ModelLimits, check_against_model, check_rows, check_vocabulary, prepare_prompts
-from .outputs import StepRecorder
+from .outputs import RoutedExperts, StepRecorder
 from .parallel.model_group import (
     agree_on_tokens,
     check_consistent_inputs,
@@ -144,6 +144,7 @@ class _DecodeLoop:
         self.limits = limits
         self.driver = make_driver(model, ops, prompt, _for_steps(config, self.steps), dtype)
         self.in_forward = False
+        self.routes = RoutedExperts(ops, model) if config.return_routed_experts else None
 
     def _forward(self, call, *args):
         self.in_forward = True
@@ -169,7 +170,11 @@ class _DecodeLoop:
         pad = config.pad_token_id
         if streamer is not None:
             streamer.put(self.prompt.ids.copy())
-        logits = self._forward(driver.prefill)
+        if self.routes is None:
+            logits = self._forward(driver.prefill)
+        else:
+            logits, routes = self._forward(self.routes.forward, driver.prefill)
+            self.routes.prefill(routes, self.prompt.mask, _repeat_rows(self.prompt, config))
         prompt = driver.prompt  # each row num_return_sequences times
         batch = prompt.batch_size
         needs_ids = bool(config.logits_processor or config.stopping_criteria)
@@ -227,15 +232,21 @@ class _DecodeLoop:
                 break
             if done_here:
                 self._forward(driver.dummy_step)  # keeps this rank's collectives paired with the others'
-            else:
+            elif self.routes is None:
                 logits = self._forward(driver.decode, tokens, tokens_device)
+                step += 1
+            else:
+                logits, routes = self._forward(self.routes.forward, driver.decode, tokens, tokens_device)
+                # a cached step feeds one token per row; without a cache the whole sequence runs again
+                self.routes.decode(routes, np.ones((batch, 1)) if driver.use_cache else driver.host_mask)
                 step += 1
         if streamer is not None:
             streamer.end()
         sequences = ops.asarray(_assemble(prompt, generated, new_counts, pad), "int64")
         if recorder is None:
             return sequences
-        return recorder.finish(sequences, prompt.lengths.copy(), new_counts.copy())
+        routes = None if self.routes is None else self.routes.finish(prompt.mask, new_counts)
+        return recorder.finish(sequences, prompt.lengths.copy(), new_counts.copy(), routes)
 
 
 def _for_steps(config, steps: int):

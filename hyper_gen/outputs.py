@@ -59,7 +59,16 @@ class GenerateOutput:
     - ``top_logprobs`` / ``top_logprob_ids``: with ``output_logprobs=True`` and ``top_logprobs=k``,
       (B, T, k) tensors: each step's k most probable tokens under the raw ``logits`` (vLLM's
       ``logprobs=k``, the engine's ``top_logprobs``), best first: their log-softmax (the dtype of
-      ``raw_logprobs``) and their ids (int64); 0 and ``pad_token_id`` past a row's end.
+      ``raw_logprobs``) and their ids (int64); 0 and ``pad_token_id`` past a row's end;
+    - ``routed_experts`` / ``prompt_routed_experts``: with ``return_routed_experts=True`` (MoE models),
+      host int64 arrays of the expert ids each MoE layer's router chose, in its top-k order, as vLLM and
+      SGLang return them for routing replay: a position's routing is the one of the forward that fed
+      its token. ``routed_experts`` (B, T, moe_layers, top_k): step t's forward, the one whose logits
+      chose generated token t, fed sequence position ``prompt_lengths[i] + t - 1`` (the last prompt
+      token for t = 0, generated token t - 1 after); -1 past a row's end. ``prompt_routed_experts``
+      (B, P, moe_layers, top_k): the prefill's routing of every prompt token, left-aligned like
+      ``sequences`` (-1 after a row's prompt), so its column ``prompt_lengths[i] - 1`` is step 0's;
+      ``sequence_routed_experts(i)`` joins them: one entry per token of row i that was fed.
     """
 
     sequences: Any
@@ -71,6 +80,16 @@ class GenerateOutput:
     raw_logprobs: Optional[Any] = None
     top_logprobs: Optional[Any] = None
     top_logprob_ids: Optional[Any] = None
+    routed_experts: Optional[np.ndarray] = None
+    prompt_routed_experts: Optional[np.ndarray] = None
+
+    def sequence_routed_experts(self, row: int) -> np.ndarray:
+        """(n, moe_layers, top_k): the routing of every token of ``sequences[row]`` the model was fed,
+        n = prompt + generated tokens - 1 (the last token is never fed), vLLM's / SGLang's layout."""
+        if self.routed_experts is None:
+            raise ValueError("this output has no routed experts: generate with return_routed_experts=True")
+        prompt, generated = self.prompt_lengths[row], self.generated_lengths[row]
+        return np.concatenate([self.prompt_routed_experts[row, :prompt], self.routed_experts[row, 1:generated]], axis=0)
 
     def __getitem__(self, name: str):
         """``out["sequences"]`` as on HF's ``ModelOutput``."""
@@ -81,6 +100,73 @@ class GenerateOutput:
     def keys(self):
         """The fields that are set (HF's ``ModelOutput`` lists only those)."""
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+
+class RoutedExperts:
+    """The router choices of a generate call (``return_routed_experts=True``), kept on the host.
+
+    A model that reports routing declares ``moe_layers`` (its MoE layer count) and
+    ``record_routes(routes)``: given a list, each MoE layer appends, in layer order, the (N, top_k)
+    expert ids its router chose in every forward (a framework tensor or numpy array; N = the
+    forward's B * S positions, or the real positions of a left-padded prefill the port packed, row
+    by row); ``record_routes(None)`` stops it, so nothing is kept, or costs, otherwise."""
+
+    def __init__(self, ops, model):
+        layers = getattr(model, "moe_layers", 0)
+        if not layers or not callable(getattr(model, "record_routes", None)):
+            raise ValueError(
+                f"return_routed_experts=True: {type(model).__name__} has no MoE layers whose routing it reports "
+                "(a dense model, or one without moe_layers / record_routes)"
+            )
+        if getattr(model, "context_parallel", None) is not None:
+            raise ValueError("return_routed_experts=True is not supported under context parallelism (cp > 1)")
+        self.ops, self.model, self.layers = ops, model, int(layers)
+        self.steps: list = []  # per step: (B, moe_layers, top_k)
+        self.prompt: Optional[np.ndarray] = None  # (B, P, moe_layers, top_k), the prompt's padding left
+
+    def forward(self, call, *args):
+        """``call(*args)`` (one forward) with its routing recorded: (its result, its routes)."""
+        routes: list = []
+        self.model.record_routes(routes)
+        try:
+            return call(*args), routes
+        finally:
+            self.model.record_routes(None)
+
+    def positions(self, routes: list, mask: np.ndarray) -> np.ndarray:
+        """(B, S, moe_layers, top_k) of one forward over (B, S) positions (``mask``: 1 = a real token),
+        -1 at the padding."""
+        if len(routes) != self.layers:
+            raise RuntimeError(f"{len(routes)} MoE layers recorded their routing, the model declares {self.layers}")
+        ids = np.stack([np.asarray(r if isinstance(r, np.ndarray) else self.ops.to_numpy(r)) for r in routes], 1)
+        real = mask.reshape(-1) != 0
+        out = np.full((real.size,) + ids.shape[1:], -1, dtype=np.int64)
+        if ids.shape[0] == real.size:  # every position ran
+            out[real] = ids[real]
+        elif ids.shape[0] == int(real.sum()):  # the real positions, packed
+            out[real] = ids
+        else:
+            raise RuntimeError(f"the MoE layers routed {ids.shape[0]} positions in a forward over {mask.shape}")
+        return out.reshape(mask.shape + ids.shape[1:])
+
+    def prefill(self, routes: list, mask: np.ndarray, rows: np.ndarray) -> None:
+        """The prefill over the (B0, P) prompt, its rows then repeated (``rows``: num_return_sequences)."""
+        routed = self.positions(routes, mask)[rows]
+        self.steps.append(routed[:, -1])
+        self.prompt = routed
+
+    def decode(self, routes: list, mask: np.ndarray) -> None:
+        """A step's forward: one token per row, or the whole sequence again (``use_cache=False``)."""
+        self.steps.append(self.positions(routes, mask)[:, -1])
+
+    def finish(self, prompt_mask: np.ndarray, generated_lengths: np.ndarray):
+        """(routed_experts, prompt_routed_experts): past a row's end -1, the prompt left-aligned."""
+        routed = np.stack(self.steps, 1)
+        routed[np.arange(routed.shape[1])[None, :] >= generated_lengths[:, None]] = -1
+        prompt = np.full_like(self.prompt, -1)
+        for row, real in enumerate(prompt_mask != 0):
+            prompt[row, : int(real.sum())] = self.prompt[row, real]
+        return routed, prompt
 
 
 class StepRecorder:
@@ -119,7 +205,8 @@ class StepRecorder:
                 self.top_logprobs.append(values[:, None, :])
                 self.top_logprob_ids.append(ids[:, None, :])
 
-    def finish(self, sequences, prompt_lengths, generated_lengths) -> GenerateOutput:
+    def finish(self, sequences, prompt_lengths, generated_lengths, routes=None) -> GenerateOutput:
+        """``routes``: the (routed_experts, prompt_routed_experts) of ``RoutedExperts.finish``, if asked."""
         ops = self.ops
         logprobs = raw_logprobs = top_logprobs = top_logprob_ids = None
         if self.logprobs is not None:
@@ -141,4 +228,6 @@ class StepRecorder:
             raw_logprobs=raw_logprobs,
             top_logprobs=top_logprobs,
             top_logprob_ids=top_logprob_ids,
+            routed_experts=None if routes is None else routes[0],
+            prompt_routed_experts=None if routes is None else routes[1],
         )

@@ -24,6 +24,7 @@ axis (0) and basic slicing on the column axis (2).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -31,6 +32,7 @@ import numpy as np
 from ..cache import DynamicCache
 from ..drivers import ForwardSignature, logits_of, past_of
 from ..masks import decode_mask, prefill_mask
+from ..outputs import RoutedExperts
 from ..positions import cumsum_positions
 
 _UNBOUNDED = 1 << 40  # the cache's own overflow check; the engine bounds every row by max_model_len
@@ -39,11 +41,12 @@ _UNBOUNDED = 1 << 40  # the cache's own overflow check; the engine bounds every 
 class PrefillGroup:
     """Joiners prefilled together: their cache (J rows, width S), column validity, lengths."""
 
-    def __init__(self, state, valid: np.ndarray, lengths: np.ndarray, logits):
+    def __init__(self, state, valid: np.ndarray, lengths: np.ndarray, logits, routed=None):
         self.state = state  # _State of J rows
         self.valid = valid  # (J, S) bool
         self.lengths = lengths  # (J,) real prompt tokens
         self.logits = logits  # (J, V) device: the last prompt position's logits
+        self.routed = routed  # (J, moe_layers, top_k) host: the last prompt position's routing, if asked
 
 
 # the per-layer stores of a _State, and whether their tensors have columns (axis 2)
@@ -100,6 +103,9 @@ class RaggedBatch:
         self.valid = np.zeros((0, 0), dtype=bool)  # (B, W): which columns hold a row's own tokens
         self.positions = np.zeros(0, dtype=np.int64)  # (B,) the position of each row's next token
         self.pending = np.zeros(0, dtype=np.int64)  # (B,) the token each row feeds next
+        # (rows, moe_layers, top_k) host: the routing of the forward whose logits chose the rows' latest
+        # tokens (decode's rows, or join's), when asked (``routes=True``); else None
+        self.routed: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -112,8 +118,21 @@ class RaggedBatch:
     def _call(self, ids, **kwargs):
         return self.model(ids, **self.signature.keep(kwargs))
 
-    def prefill(self, prompts: List[List[int]]) -> PrefillGroup:
-        """One forward over the joiners' prompts, left-padded to the longest."""
+    def check_routes(self) -> RoutedExperts:
+        """The recorder of the model's router choices (ValueError: the model reports no MoE routing)."""
+        return RoutedExperts(self.ops, self.model)
+
+    def _routed(self, forward, valid: np.ndarray, routes: bool):
+        """``forward()``'s output, and each row's routing at its last position when ``routes``."""
+        if not routes:
+            return forward(), None
+        recorder = self.check_routes()
+        output, recorded = recorder.forward(forward)
+        return output, recorder.positions(recorded, valid)[:, -1]
+
+    def prefill(self, prompts: List[List[int]], routes: bool = False) -> PrefillGroup:
+        """One forward over the joiners' prompts, left-padded to the longest; ``routes``: record the
+        routing of their last prompt positions (``PrefillGroup.routed``)."""
         ops = self.ops
         width = max(len(p) for p in prompts)
         ids = np.zeros((len(prompts), width), dtype=np.int64)
@@ -128,11 +147,14 @@ class RaggedBatch:
             cache = DynamicCache(ops, len(prompts), _UNBOUNDED)
             if not valid.all():
                 cache.prompt_mask = ops.asarray(valid.astype(np.int64), self.dtype)
-            output = self._call(ops.asarray(ids, "int64"), past_key_values=cache, logits_to_keep=1, **kwargs)
+            kwargs.update(past_key_values=cache, logits_to_keep=1)
+            call = functools.partial(self._call, ops.asarray(ids, "int64"), **kwargs)
+            output, routed = self._routed(call, valid, routes)
             cache.advance(width)
             state = _State.of_cache(cache)
         else:
-            output = self._call(ops.asarray(ids, "int64"), past_key_values=None, **kwargs)
+            call = functools.partial(self._call, ops.asarray(ids, "int64"), past_key_values=None, **kwargs)
+            output, routed = self._routed(call, valid, routes)
             past = past_of(output)
             if past is None:
                 raise TypeError(
@@ -141,11 +163,13 @@ class RaggedBatch:
                 )
             state = _State.of_past(past, width)
         logits = logits_of(output)
-        return PrefillGroup(state, valid, valid.sum(axis=1), logits[:, -1])
+        return PrefillGroup(state, valid, valid.sum(axis=1), logits[:, -1], routed)
 
     def decode(self):
-        """One token for every row: (B, V) logits of the new position."""
+        """One token for every row: (B, V) logits of the new position; its routing too (``routed``)
+        when a row's request asked."""
         ops, state = self.ops, self.state
+        routes = wants_routes(getattr(row, "request", None) for row in self.rows)
         width = state.width + 1
         valid = np.concatenate([self.valid, np.ones((len(self.rows), 1), dtype=bool)], axis=1)
         kwargs = dict(
@@ -158,12 +182,14 @@ class RaggedBatch:
             cache.keys, cache.values = state.keys, state.values
             cache.conv_states, cache.recurrent_states = state.conv, state.recurrent
             cache.seq_length = state.width
-            output = self._call(ids, past_key_values=cache, logits_to_keep=1, **kwargs)
+            call = functools.partial(self._call, ids, past_key_values=cache, logits_to_keep=1, **kwargs)
+            output, self.routed = self._routed(call, np.ones((len(self.rows), 1)), routes)
             cache.advance(1)
             self.state = _State.of_cache(cache)
         else:
             past = [(state.keys[i], state.values[i]) for i in sorted(state.keys)]
-            output = self._call(ids, past_key_values=past, **kwargs)
+            call = functools.partial(self._call, ids, past_key_values=past, **kwargs)
+            output, self.routed = self._routed(call, np.ones((len(self.rows), 1)), routes)
             self.state = _State.of_past(past_of(output), width)
         self.valid = valid
         self.positions = self.positions + 1
@@ -172,10 +198,11 @@ class RaggedBatch:
     # ---- row operations ----------------------------------------------------------------------
     def join(self, group: PrefillGroup, sources: np.ndarray, rows: List[Any], first_tokens: np.ndarray) -> None:
         """Add ``rows``; row i is a copy of the group's row ``sources[i]`` (n choices share a prompt)."""
+        sources = np.asarray(sources, dtype=np.int64)
+        self.routed = None if group.routed is None else group.routed[sources]  # ``rows``' first tokens'
         if not rows:
             return
         ops = self.ops
-        sources = np.asarray(sources, dtype=np.int64)
         joining = _State()
         joining.width = group.state.width
         for name, layer, tensor, _ in group.state.tensors():
@@ -237,8 +264,31 @@ class RaggedBatch:
         self.pending = np.zeros(0, dtype=np.int64)
 
 
+def wants_routes(requests) -> bool:
+    """Whether any of these requests asked for its routed experts."""
+    return any(getattr(getattr(request, "params", None), "return_routed_experts", False) for request in requests)
+
+
+def keep_route(choice, routed: Optional[np.ndarray], row: int) -> None:
+    """Row ``row`` of a forward's routing (``RaggedBatch.routed``) appended to ``choice.routes`` when
+    its request asked: the routing of the position that chose its latest token."""
+    if routed is not None and choice.request.params.return_routed_experts:
+        if not hasattr(choice, "routes"):
+            choice.routes = []
+        choice.routes.append(routed[row])
+
+
+def routed_experts(choice) -> Optional[np.ndarray]:
+    """(T, moe_layers, top_k) int64: a finished choice's routing, token by token (None if not asked);
+    token t's is that of the forward which chose it (its prompt's last position for t = 0)."""
+    if not choice.request.params.return_routed_experts:
+        return None
+    routes = getattr(choice, "routes", [])
+    return np.stack(routes) if routes else np.zeros((0, 0, 0), dtype=np.int64)
+
+
 def _pad_valid(valid: np.ndarray, width: int) -> np.ndarray:
     return np.pad(valid, ((0, 0), (width - valid.shape[1], 0)))
 
 
-__all__ = ["RaggedBatch", "PrefillGroup"]
+__all__ = ["RaggedBatch", "PrefillGroup", "wants_routes", "keep_route", "routed_experts"]

@@ -27,12 +27,15 @@ class Control:
     """One abort / pause / resume, settled by the engine at a step boundary.
 
     ``target``: ALL, a request id, or None (abort nothing); ``pause``: True / False to set the
-    engine's paused state, None to leave it. The engine fills ``requests`` (those it aborted, in
-    submission order) and ``outputs`` (their ``RequestOutput``s), or ``error``, then sets ``done``."""
+    engine's paused state, None to leave it; ``update``: a checked ``WeightUpdate`` to apply, and
+    ``version`` the ``weight_version`` outputs carry from then on. The engine fills ``requests``
+    (those it aborted, in submission order) and ``outputs`` (their ``RequestOutput``s), or
+    ``error``, then sets ``done``."""
 
-    def __init__(self, target=None, pause: Optional[bool] = None):
+    def __init__(self, target=None, pause: Optional[bool] = None, update=None, version=None):
         self.target = target
         self.pause = pause
+        self.update, self.version = update, version
         self.requests: list = []
         self.outputs: list = []
         self.error: Optional[BaseException] = None
@@ -105,6 +108,31 @@ class EngineControl:
                 return
         self._control(Control(pause=False))
 
+    def update_weights(self, weights, version=None) -> int:
+        """``hyper_gen.update_weights`` on the engine's model at the next step boundary; returns the
+        number of tensors applied. Every ``RequestOutput`` made after it carries ``weight_version =
+        version``. Running requests continue on the new weights from their next token (vLLM's
+        semantics: the cache they built keeps the old weights' keys and values); ``pause(mode="keep")``
+        first and ``resume()`` after to apply it between rollouts instead. The tensors are checked in
+        the calling thread (a ValueError / TypeError naming the tensor, nothing queued), converted and
+        written between two steps; an error there raises here and changes nothing."""
+        if self.world_size > 1:
+            raise NotImplementedError(
+                "update_weights on a multi-rank engine: update the model on every rank while paused"
+            )
+        source = getattr(self.model, "weight_source", None)  # hyper_gen.models.weight_update.WeightSource
+        if source is None:
+            raise ValueError(
+                f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(self.model).__name__}"
+            )
+        update = source.check(self.model, weights)
+        return self._control(Control(update=update, version=version)).outputs
+
+    @property
+    def weight_version(self):
+        """The ``version`` of the last ``update_weights`` applied (None before any)."""
+        return self._weight_version
+
     @property
     def paused(self) -> bool:
         """Whether the engine is paused (a snapshot, read without the engine's lock)."""
@@ -171,6 +199,14 @@ class EngineControl:
         for request in aborted:
             self._abort(request)
         for ticket in tickets:
+            if ticket.update is not None:
+                try:  # all or nothing: conversion errors come before any write
+                    ticket.outputs = ticket.update.apply()
+                    self._weight_version = ticket.version
+                except Exception as error:
+                    ticket.error = error
+                ticket.done.set()
+                continue
             ticket.outputs = [self._output(r) for r in ticket.requests]
             ticket.done.set()
 

@@ -43,7 +43,7 @@ from ..inputs import ModelLimits
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, gather_vocab_logits, parallel_group
 from ..registry import backend_for, thread_initializer
-from .batch import RaggedBatch
+from .batch import RaggedBatch, keep_route, routed_experts, wants_routes
 from .control import Control, EngineControl, RecentIds
 from .outputs import ChoiceOutput, CompletionChunk, RequestOutput
 from .params import SamplingParams
@@ -145,6 +145,7 @@ class Engine(EngineControl):
         self._drops: List[tuple] = []  # rank 0: rows to drop at the next plan
         self._controls: List[Control] = []  # rank 0: abort / pause / resume tickets for the next plan
         self._paused = False  # rank 0: plans hold the batch (no forward, no admission)
+        self._weight_version = None  # the last update_weights' version (control.py), on every output
         self._ended = RecentIds()  # rank 0: ids of requests that ended, for abort(id)
         self._step_lock = threading.RLock()  # held by step(): a caller-driven engine's step boundary
         self._loop_ident: Optional[int] = None  # the thread running steps (control calls must not wait on it)
@@ -337,6 +338,8 @@ class Engine(EngineControl):
                 f"the prompt's {ids.size} tokens + max_tokens={params.max_tokens} = {ids.size + params.max_tokens} "
                 f"positions, more than max_model_len={self.max_model_len}: shorten the prompt or lower max_tokens"
             )
+        if params.return_routed_experts:
+            self._batch.check_routes()  # ValueError: the model has no MoE layers
         if params.n > self.max_batch_size:
             raise ValueError(f"n={params.n} is more than the engine's max_batch_size={self.max_batch_size}")
         if params.stop and self.tokenizer is None:
@@ -533,7 +536,7 @@ class Engine(EngineControl):
 
     def _admit(self, requests: List[Request]) -> None:
         try:
-            group = self._batch.prefill([r.prompt for r in requests])
+            group = self._batch.prefill([r.prompt for r in requests], wants_routes(requests))
             scores = self._scores(group.logits)
         except Exception as error:
             if len(requests) > 1:  # find the one that fails; the others are fine alone
@@ -561,6 +564,7 @@ class Engine(EngineControl):
                 continue
             token = int(selection.tokens[row])
             choice.token_ids.append(token)
+            keep_route(choice, self._batch.routed, row)
             if self.rank != 0:
                 continue
             self._emit(choice, token, selection.logprobs[row])
@@ -625,10 +629,10 @@ class Engine(EngineControl):
             self._ended.add(request.request_id)  # before the stream ends: abort(id) then finds it ended
             request.stream._close(output, error)
 
-    @staticmethod
-    def _output(request: Request) -> RequestOutput:
+    def _output(self, request: Request) -> RequestOutput:
         outputs = [
-            ChoiceOutput(c.index, list(c.token_ids), c.text.text, c.finish_reason, c.logprobs) for c in request.choices
+            ChoiceOutput(c.index, list(c.token_ids), c.text.text, c.finish_reason, c.logprobs, routed_experts(c))
+            for c in request.choices
         ]
         return RequestOutput(
             request_id=request.request_id,
@@ -636,6 +640,7 @@ class Engine(EngineControl):
             outputs=outputs,
             prompt_tokens=len(request.prompt),
             completion_tokens=sum(len(c.token_ids) for c in request.choices),
+            weight_version=self._weight_version,
         )
 
 

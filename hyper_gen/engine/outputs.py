@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import numpy as np
+
 # finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens), "abort" (cancelled
 # or the engine shut down); None while the choice runs
 
@@ -37,13 +39,19 @@ class CompletionChunk:
 @dataclass
 class ChoiceOutput:
     """One finished choice: every token (with the EOS / stop token that ended it), its text (without
-    a stop string that ended it), why it ended, and its logprobs (None when not asked for)."""
+    a stop string that ended it), why it ended, and its logprobs (None when not asked for).
+
+    ``routed_experts``: with ``return_routed_experts=True`` (an MoE model), a (T, moe_layers, top_k)
+    int64 numpy array, one entry per token of ``token_ids``: the expert ids each MoE layer's router
+    chose, in its top-k order, in the forward whose logits chose that token (which fed the prompt's
+    last token for the first, the previous token after): ``generate``'s ``routed_experts`` row."""
 
     index: int
     token_ids: List[int]
     text: str
     finish_reason: Optional[str]
     logprobs: Optional[List[dict]] = None
+    routed_experts: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -53,6 +61,7 @@ class RequestOutput:
     outputs: List[ChoiceOutput] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0  # over every choice
+    weight_version: Optional[object] = None  # Engine.update_weights' version when this output was made
 
 
 __all__ = ["CompletionChunk", "ChoiceOutput", "RequestOutput"]

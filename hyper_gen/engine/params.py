@@ -58,6 +58,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     min_tokens: int = 0
+    # MoE models: each token's router choices, per MoE layer (ChoiceOutput.routed_experts; vLLM / SGLang's R3)
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         self.n = _int("n", self.n, 1)
@@ -92,8 +94,9 @@ class SamplingParams:
             if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
                 raise TypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
             self.stop_token_ids = [_int("stop_token_ids", t, 0) for t in self.stop_token_ids]
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "return_routed_experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 

@@ -15,6 +15,7 @@ from typing import Optional
 from hyper_gen import kernel_plan, registry
 from hyper_gen.models import FAMILIES
 from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
+from hyper_gen.models.weight_update import WeightSource
 from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_strategy, check_ulysses_heads
 from hyper_gen.parallel.tp_plan import TPPlan
 
@@ -103,6 +104,7 @@ def load_model(
         plan = _join_tp_job(adapter, tp, family, config) if tp > 1 else None
         model = port.load(checkpoint, dtype, device=device, plan=plan, group=None, kernels=kernels)
     model.generation_defaults = generation_defaults(checkpoint)
+    model.weight_source = WeightSource(checkpoint, family)  # for update_weights
     return model
 
 

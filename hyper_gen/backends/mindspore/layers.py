@@ -242,6 +242,7 @@ class SparseMoE(nn.Cell):
 
     def __init__(self, weights: Weights, shard: MoEShard, in_scale: np.ndarray):
         super().__init__()
+        self.routes = None  # a list each forward appends its (tokens, top_k) expert ids to (``record_routes``)
         self.num_experts = shard.num_experts
         self.top_k = shard.top_k
         # router logits | shared expert gate logit, one matmul
@@ -262,6 +263,8 @@ class SparseMoE(nn.Cell):
         weights = weights / weights.sum(-1, keepdims=True)  # transformers 5.23 always renormalises
         # host routing: slots (token, k) sorted by expert, so each expert sees one contiguous block
         expert_of_slot = chosen.asnumpy().reshape(-1)
+        if self.routes is not None:
+            self.routes.append(expert_of_slot.reshape(-1, self.top_k))
         order = np.argsort(expert_of_slot, kind="stable")
         counts = np.bincount(expert_of_slot, minlength=self.num_experts)
         tokens = ops.gather(x, Tensor((order // self.top_k).astype(np.int32)), 0)

@@ -13,6 +13,7 @@ from mindspore import Parameter, Tensor
 from hyper_gen.backends.mindspore import matmul_widths
 from hyper_gen.backends.mindspore.primitives import numpy_dtype, on_cpu
 from hyper_gen.kernel_plan import KernelPlan
+from hyper_gen.models.arrays import contiguous
 from hyper_gen.models.checkpoint import Piece
 from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, ModelShard, vocab_rows
 
@@ -77,9 +78,9 @@ class Weights:
     def param(self, array: np.ndarray, name: str = "Parameter") -> Parameter:
         """A checkpoint weight in the model dtype (every Parameter of the model is in it)."""
         if self.ms_dtype == ms.bfloat16:
-            tensor = Tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=ms.bfloat16)
+            tensor = Tensor(contiguous(array, np.float32), dtype=ms.bfloat16)
         else:
-            tensor = Tensor(np.ascontiguousarray(array, dtype=numpy_dtype(self.ms_dtype)))
+            tensor = Tensor(contiguous(array, numpy_dtype(self.ms_dtype)))
         return Parameter(tensor, name=name, requires_grad=False)
 
     def constant(self, array: np.ndarray) -> Tensor:
@@ -92,10 +93,11 @@ class Weights:
         the rows: the weight of the RMSNorm that feeds the projection, folded in once (the product
         is taken in float64 and rounded to the model dtype once). ``pad``: zero columns appended up
         to ``fast_width``."""
-        matrix = np.concatenate(blocks, axis=0).T
-        width = self.fast_width(*matrix.shape) if pad else matrix.shape[1]
-        if width > matrix.shape[1]:
-            matrix = np.concatenate([matrix, np.zeros((matrix.shape[0], width - matrix.shape[1]), matrix.dtype)], 1)
+        matrix = np.concatenate(blocks, axis=0)
+        width = self.fast_width(*matrix.shape[::-1]) if pad else matrix.shape[0]
+        if width > matrix.shape[0]:  # zero rows of the (out, in) matrix: no transposing concatenate
+            matrix = np.concatenate([matrix, np.zeros((width - matrix.shape[0], matrix.shape[1]), matrix.dtype)], 0)
+        matrix = matrix.T
         if in_scale is not None:
             matrix = matrix.astype(np.float64) * in_scale.astype(np.float64)[:, None]
         return self.param(matrix)

@@ -28,7 +28,9 @@ from hyper_gen.cache import DynamicCache
 from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.masks import contract_defaults
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
+from hyper_gen.models.qwen3_5.routing import RoutedExpertsSource
 from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, LayerShard, ModelShard, MoEShard
+from hyper_gen.models.weight_update import touches
 from hyper_gen.parallel.cp_plan import CPPlan
 from hyper_gen.parallel.groups import shard_groups
 from hyper_gen.parallel.rank_sum import RankSum
@@ -76,7 +78,7 @@ class DecoderLayer(nn.Cell):
         return add(x, self.partial_sum(self.mlp.construct(rms_norm(x, self.eps))))
 
 
-class Qwen3_5ForCausalLM(nn.Cell):
+class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Cell):
     """Qwen3.5 / Qwen3.5-MoE language model implementing docs/model_contract.md (cache objects).
 
     Built from this rank's ``ModelShard`` (``hyper_gen.models.qwen3_5.describe``). ``config`` is
@@ -243,3 +245,22 @@ def load(
 
 def _new_group(name, ranks, member):
     return new_group(name, ranks) if member else None  # MindSpore makes a group on its members only
+
+
+def prepare_update(model: Qwen3_5ForCausalLM, checkpoint, names):
+    """update_weights' conversion (``hyper_gen.models.weight_update``): load's code builds the layers
+    and head ``names`` touch; the write moves their parameters' data and constants into the model's."""
+    shard = describe(checkpoint, model.config, model.tp_plan)
+    w = Weights(checkpoint, dtype_name(model.dtype), model.kernel_plan)
+    new = [(model.layers[i], DecoderLayer(model.config, w, layer, i, model.partial_sum))
+           for i, layer in enumerate(shard.layers) if touches(layer, names)]  # fmt: skip
+    pairs = [(o, n) for old, cell in new for (_, o), (_, n) in zip(old.cells_and_names(), cell.cells_and_names())]
+    params = [(o._params[key], p) for o, n in pairs for key, p in n._params.items()]
+    params += list(zip(model.lm_head, w.lm_head(shard)[0])) if touches(shard.lm_head or EMBED_TOKENS, names) else []
+    if shard.lm_head is not None and touches(EMBED_TOKENS, names):
+        params.append((model.embed_tokens, w.param(w.vocab_rows(shard, EMBED_TOKENS))))
+    tensors = lambda v: isinstance(v, Tensor) or isinstance(v, tuple) and all(isinstance(t, Tensor) for t in v)  # noqa: E731
+    constants = [(o, k, v) for o, n in pairs for k, v in vars(n).items() if tensors(v)]  # conv taps, decay rates
+    if touches(shard.final_norm, names):
+        constants.append((model, "norm", Tensor(w.norm_scale(shard.final_norm)[None])))
+    return lambda: [p.set_data(value) for p, value in params] + [setattr(*c) for c in constants]

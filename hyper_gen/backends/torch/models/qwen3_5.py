@@ -8,6 +8,8 @@ Layout, numerics, tensor and context parallelism: docs/architecture.md, "The nat
 
 from __future__ import annotations
 
+from functools import partial
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -27,6 +29,7 @@ from hyper_gen.masks import contract_defaults
 from hyper_gen.models.checkpoint import Checkpoint, Piece, generation_defaults
 from hyper_gen.models.loading import DTYPES
 from hyper_gen.models.qwen3_5 import Qwen3_5Config, describe
+from hyper_gen.models.qwen3_5.routing import RoutedExpertsSource
 from hyper_gen.models.qwen3_5.shards import (
     EMBED_TOKENS,
     AttentionShard,
@@ -38,6 +41,7 @@ from hyper_gen.models.qwen3_5.shards import (
     MoEShard,
     vocab_rows,
 )
+from hyper_gen.models.weight_update import touches
 from hyper_gen.parallel.context_parallel import CPStep
 from hyper_gen.parallel.cp_plan import CPPlan, check_ulysses_heads
 from hyper_gen.parallel.groups import shard_groups
@@ -186,6 +190,7 @@ class SparseMoE(nn.Module):
     SwiGLU expert scaled by sigmoid(shared_expert_gate(x))."""
 
     kernels = PLAIN  # the model's TorchKernels, set by load
+    routes = None  # a list each forward appends its (tokens, top_k) expert ids to (``record_routes``)
 
     def __init__(self, hidden_size: int, shard: MoEShard):
         super().__init__()
@@ -204,6 +209,8 @@ class SparseMoE(nn.Module):
         logits = self.kernels.project(x, self.router)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.routes is not None:
+            self.routes.append(experts)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
         out = self._experts(x, experts, weights)
         out = out + torch.sigmoid(self.kernels.project(x, self.shared_expert_gate)) * self.shared_expert(x)
@@ -255,7 +262,7 @@ class DecoderLayer(nn.Module):
         return x + self.rank_sum(self.mlp(self.post_attention_norm(x)))
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Module):
     """Qwen3.5 text model + LM head (dense or MoE), cache-object contract.
 
     ``forward(input_ids, position_ids, attention_mask, past_key_values, logits_to_keep)`` ->
@@ -434,6 +441,37 @@ def _moe_state(w: _Weights, s: MoEShard) -> dict:
     return state
 
 
+def _state(w: _Weights, shard: ModelShard, wanted=lambda unit: True) -> dict:
+    """The model's state dict read through ``w``: of the units (a piece, a mixer's or an MLP's shard)
+    ``wanted`` accepts (update_weights: those its tensors touch)."""
+    rows = lambda name: {"": w.transposed(vocab_rows(w.checkpoint, shard, name, w.read_dtype))}  # noqa: E731
+    norm = lambda piece: {"scale": w.norm_scale(piece)}  # noqa: E731
+    units = [("embed_tokens", EMBED_TOKENS, rows), ("lm_head", shard.lm_head, rows), ("norm.", shard.final_norm, norm)]
+    for i, layer in enumerate(shard.layers):
+        q, mixer = f"layers.{i}.", partial(_gated_deltanet_state if layer.is_linear else _attention_state, w)
+        mlp = partial(_moe_state if isinstance(layer.mlp, MoEShard) else _swiglu_state, w)
+        units += [(q + "input_norm.", layer.input_norm, norm), (q + "mixer.", layer.mixer, mixer)]
+        units += [(q + "post_attention_norm.", layer.post_attention_norm, norm), (q + "mlp.", layer.mlp, mlp)]
+    state = [(key + k, v) for key, unit, build in units if unit and wanted(unit) for k, v in build(unit).items()]
+    return dict(state)
+
+
+def prepare_update(model: Qwen3_5ForCausalLM, checkpoint, names):
+    """update_weights' conversion (``hyper_gen.models.weight_update``), views of the given tensors where
+    they can be, and its write: one copy into each parameter's own layout (the kernels remake a
+    oneDNN-packed copy at its next use: they track each weight's version)."""
+    w = _Weights(checkpoint, model.dtype, model.device, SimpleNamespace(layout=lambda w_t: w_t))
+    state = _state(w, describe(checkpoint, model.config, model.tp_plan), lambda unit: touches(unit, names))
+    params = model.state_dict(keep_vars=True)
+    return lambda: [_copy(params[key].data, value) for key, value in state.items()]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, block: int = 64) -> None:
+    """``dst.copy_(src)``; a transposing copy in blocks of ``block`` columns (3x faster on CPU)."""
+    for j in range(0, src.shape[-1], block) if src.dim() > 1 and src.stride() != dst.stride() else [None]:
+        (dst if j is None else dst[..., j : j + block]).copy_(src if j is None else src[..., j : j + block])
+
+
 def load(
     checkpoint: Checkpoint,
     dtype: str = "float32",
@@ -467,22 +505,7 @@ def load(
     group, cp_group = shard_groups(TorchOps(), shard.plan, cp_plan, group, launch, "torch", _new_group)
     w = _Weights(checkpoint, torch_dtype(dtype), device, projections)
 
-    state = {"embed_tokens": w.transposed(vocab_rows(checkpoint, shard, EMBED_TOKENS, w.read_dtype))}
-    if shard.lm_head is not None:
-        state["lm_head"] = w.transposed(vocab_rows(checkpoint, shard, shard.lm_head, w.read_dtype))
-    state["norm.scale"] = w.norm_scale(shard.final_norm)
-    for i, layer in enumerate(shard.layers):
-        q = f"layers.{i}."
-        state[q + "input_norm.scale"] = w.norm_scale(layer.input_norm)
-        state[q + "post_attention_norm.scale"] = w.norm_scale(layer.post_attention_norm)
-        if isinstance(layer.mixer, GatedDeltaNetShard):
-            mixer = _gated_deltanet_state(w, layer.mixer)
-        else:
-            mixer = _attention_state(w, layer.mixer)
-        mlp = _moe_state(w, layer.mlp) if isinstance(layer.mlp, MoEShard) else _swiglu_state(w, layer.mlp)
-        state.update({q + "mixer." + k: v for k, v in mixer.items()})
-        state.update({q + "mlp." + k: v for k, v in mlp.items()})
-
+    state = _state(w, shard)
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(shard, group, cp_plan, cp_group)
     model.load_state_dict(state, strict=True, assign=True)
