@@ -72,8 +72,10 @@ def test_abort_all_returns_the_partial_rollouts(backend, tokenizer, one_torch_th
     with Engine(model, tokenizer, max_batch_size=4) as engine:
         full = engine.run_batch(list(zip(ids, params)))
         slowed(engine)
+        engine.pause(mode="keep")  # submitted while paused: admitted together at resume
         streams = [engine.submit(p, q) for p, q in zip(ids, params)]  # 4 rows: the batch is full
         queued = engine.submit(ids[0], SamplingParams(max_tokens=4))
+        engine.resume()
         first = iter(streams[0])
         seen = [next(first) for _ in range(3)]
         outs = engine.abort_all()

@@ -137,7 +137,7 @@ def test_bad_input_names_the_field(root, moe):
         generate(dense, [PROMPTS[0]], max_new_tokens=2, return_dict_in_generate=True, return_routed_experts=True)
 
 
-@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mindspore", marks=pytest.mark.slow)])  # 10 s: whole suite
 def test_engine_routed_experts_equal_generate(moe, backend):
     from hyper_gen.engine import Engine, SamplingParams
 

@@ -24,6 +24,8 @@ from hyper_gen import generate, load_model, update_weights
 from hyper_gen.engine import Engine, SamplingParams
 
 BACKENDS = ["torch", "mindspore"]
+# the MindSpore cases of the heaviest checks (6-15 s each on 2 cores) run in the whole suite, not the fast loop
+SLOW_ON_MINDSPORE = ["torch", pytest.param("mindspore", marks=pytest.mark.slow)]
 PROMPT = [[3, 17, 42, 8, 23, 5, 61, 30]]
 
 
@@ -89,7 +91,7 @@ def source(kind, moe_paths):
 # ---------------------------------------------------------------------------- the model's weights
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_ON_MINDSPORE)
 @pytest.mark.parametrize(
     "kind,dtype", [("demo", "float64"), ("demo", "float32"), ("moe", "float64"), ("moe_fused", "float64")]
 )
@@ -106,7 +108,7 @@ def test_every_weight_equals_a_fresh_load(backend, kind, dtype, moe_paths, tmp_p
     assert_same_model(model, load_model(save_like(path, newer, tmp_path / "newer"), backend=backend, dtype=dtype))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_ON_MINDSPORE)
 @pytest.mark.parametrize("kind", ["demo", "moe"])
 def test_one_layers_weights_equal_a_fresh_load(backend, kind, moe_paths, tmp_path, one_torch_thread):
     path = source(kind, moe_paths)
@@ -206,7 +208,7 @@ def reference(model, new=10):
     return row[: ended[0] + 1].tolist() if ended.size else row.tolist()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_ON_MINDSPORE)
 def test_engine_update_between_and_during_requests(backend, tmp_path, one_torch_thread):
     new = perturbed(checkpoint_tensors(DEMO_MODEL_DIR))
     model = load_model(DEMO_MODEL_DIR, backend=backend)
