@@ -51,6 +51,27 @@ def score(model, sequences, attention_mask=None, prompt_lengths=None):
     ``ValueError`` / ``TypeError`` naming the field, before the forward. Every rank of a multi-rank
     model calls it with the same arguments (checked, as generate checks them).
     """
+    return _score(model, sequences, attention_mask, prompt_lengths)[0]
+
+
+def prompt_top_logprobs(model, prompt_ids, k: int):
+    """vLLM's ``prompt_logprobs=k`` of one prompt, in ``score``'s one forward: (chosen, values, ids, ranks), host numpy.
+
+    ``chosen`` (T - 1,): ``score(model, [prompt_ids])[0, 1:]``, each prompt token's logprob given the
+    tokens before it; ``values`` / ``ids`` (T - 1, min(k, V)): the ``k`` largest of that position's
+    log-softmax, largest first (None for k = 0); ``ranks`` (T - 1,): each prompt token's rank there
+    (1 + the tokens strictly likelier, vLLM's). A one-token prompt has nothing to score: empty arrays,
+    no forward. Every rank of a multi-rank model calls it with the same arguments."""
+    prompt_ids = [int(t) for t in prompt_ids]
+    if len(prompt_ids) < 2:
+        none = (np.zeros((0, 0), dtype=np.float32), np.zeros((0, 0), dtype=np.int64)) if k else (None, None)
+        return (np.zeros(0, dtype=np.float32), *none, np.zeros(0, dtype=np.int64))
+    return _score(model, [prompt_ids], None, None, top=int(k))
+
+
+def _score(model, sequences, attention_mask, prompt_lengths, top=None):
+    """``score``'s tensor; with ``top`` (an int) instead row 0's host (T - 1,) picked logprobs and the
+    top-``top`` (values, ids) of each of its positions (None, None for 0)."""
     if model is None or not callable(model):
         raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
     ops = backend_for(model, sequences)
@@ -91,8 +112,16 @@ def score(model, sequences, attention_mask=None, prompt_lengths=None):
         logprobs = log_softmax(ops, ops.cast(logits[:, :-1], dtype))
         following = ops.asarray(ids[:, 1:, None], "int64")
         picked = ops.take_along_axis(logprobs, following, -1)[:, :, 0]  # (B, T - 1): token t + 1 given <= t
+        if top is not None:
+            values = ids_top = None
+            if top:
+                values, ids_top = ops.topk(logprobs[0], min(top, int(logprobs.shape[-1])))
+                values, ids_top = ops.to_numpy(values), ops.to_numpy(ids_top).astype(np.int64)
+            above = ops.cast(logprobs[0] > picked[0][:, None], "float32")  # tokens likelier than the prompt's
+            ranks = ops.to_numpy(ops.sum(above, -1)).astype(np.int64) + 1
+            return ops.to_numpy(picked[0]), values, ids_top, ranks
         picked = ops.concat([ops.zeros((batch, 1), dtype), picked], 1)
-        return ops.where(ops.asarray(scored, "bool"), picked, 0.0)
+        return ops.where(ops.asarray(scored, "bool"), picked, 0.0), None, None, None
 
 
 def _checked_sequences(sequences: Any, attention_mask: Any):
@@ -165,4 +194,4 @@ def _check_ids(ids: np.ndarray, vocab_size: int, source: str) -> None:
         )
 
 
-__all__ = ["score"]
+__all__ = ["score", "prompt_top_logprobs"]

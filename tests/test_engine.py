@@ -17,6 +17,8 @@ from hyper_gen import generate, load_model
 from hyper_gen.engine import Engine, SamplingParams
 
 BACKENDS = ["torch", "mindspore"]
+# MindSpore cases of 5 s and more (on 2 cores) run in the whole suite, not the fast loop
+SLOW_ON_MINDSPORE = ["torch", pytest.param("mindspore", marks=pytest.mark.slow)]
 # MindSpore with its decode steps compiled from the first: the engine's steps run PyNative until a
 # batch size has been decoded 256 times (decode_compile_after), more than these tests decode
 COMPILED = "mindspore-compiled"
@@ -75,7 +77,7 @@ def test_greedy_equals_generate_with_staggered_arrivals(backend, tokenizer, one_
         assert out.prompt_tokens == len(prompt) and out.completion_tokens == len(choice.token_ids)
 
 
-@pytest.mark.parametrize("backend", BACKENDS + [COMPILED])
+@pytest.mark.parametrize("backend", SLOW_ON_MINDSPORE + [COMPILED])
 def test_a_request_never_waits_for_the_batch(backend, tokenizer, one_torch_thread):
     """Short requests join a running long one, finish and free their slot while it still runs."""
     model = demo(backend)
@@ -190,7 +192,7 @@ def _ids(backend, rows):
     return mindspore.Tensor(np.asarray(rows, dtype=np.int64))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_ON_MINDSPORE)
 def test_stop_reasons(backend, tokenizer, one_torch_thread):
     model = demo(backend)
     prompt = tokenizer("rev 123456 =")["input_ids"]

@@ -19,6 +19,8 @@ from hyper_gen.engine import Engine, SamplingParams
 from hyper_gen.engine.outputs import RequestOutput
 
 BACKENDS = ["torch", "mindspore"]
+# MindSpore cases of 5 s and more (on 2 cores) run in the whole suite, not the fast loop
+SLOW_ON_MINDSPORE = ["torch", pytest.param("mindspore", marks=pytest.mark.slow)]
 SAMPLED = dict(temperature=1.3, top_k=8, top_p=0.9)
 
 
@@ -128,7 +130,7 @@ def test_abort_one_leaves_the_others_unchanged(backend, tokenizer, one_torch_thr
     engine.shutdown()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_ON_MINDSPORE)
 def test_pause_keep_then_resume_is_an_uninterrupted_run(backend, tokenizer, one_torch_thread):
     model = demo(backend)
     ids = prompts(tokenizer, 3, seed=23)

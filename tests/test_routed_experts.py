@@ -92,7 +92,7 @@ def check_against_hf(out, hf, top_k):
         assert (routed[row, g:] == -1).all() and (prompt_routed[row, p:] == -1).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", "mindspore", "mindspore-compiled"])
+@pytest.mark.parametrize("backend", ["torch", "mindspore", pytest.param("mindspore-compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "options",
     [

@@ -235,7 +235,7 @@ def test_engine_update_between_and_during_requests(backend, tmp_path, one_torch_
         assert third.weight_version == 10 and third.outputs[0].token_ids == after
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_ON_MINDSPORE)
 def test_engine_stepped_by_the_caller(backend, tmp_path, one_torch_thread):
     new = perturbed(checkpoint_tensors(DEMO_MODEL_DIR))
     model = load_model(DEMO_MODEL_DIR, backend=backend)

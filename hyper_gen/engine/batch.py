@@ -273,8 +273,6 @@ def keep_route(choice, routed: Optional[np.ndarray], row: int) -> None:
     """Row ``row`` of a forward's routing (``RaggedBatch.routed``) appended to ``choice.routes`` when
     its request asked: the routing of the position that chose its latest token."""
     if routed is not None and choice.request.params.return_routed_experts:
-        if not hasattr(choice, "routes"):
-            choice.routes = []
         choice.routes.append(routed[row])
 
 
@@ -283,7 +281,7 @@ def routed_experts(choice) -> Optional[np.ndarray]:
     token t's is that of the forward which chose it (its prompt's last position for t = 0)."""
     if not choice.request.params.return_routed_experts:
         return None
-    routes = getattr(choice, "routes", [])
+    routes = choice.routes
     return np.stack(routes) if routes else np.zeros((0, 0, 0), dtype=np.int64)
 
 

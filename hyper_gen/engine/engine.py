@@ -43,9 +43,10 @@ from ..inputs import ModelLimits
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, gather_vocab_logits, parallel_group
 from ..registry import backend_for, thread_initializer
+from ..scoring import prompt_top_logprobs
 from .batch import RaggedBatch, keep_route, routed_experts, wants_routes
 from .control import Control, EngineControl, RecentIds
-from .outputs import ChoiceOutput, CompletionChunk, RequestOutput
+from .outputs import ChoiceOutput, CompletionChunk, RequestOutput, prompt_logprob_entries
 from .params import SamplingParams
 from .plan import Admission, StepPlan, share_plan
 from .request import Request
@@ -493,7 +494,10 @@ class Engine(EngineControl):
             if len(self._batch):
                 self._decode()
             if plan.admissions:
-                self._admit([self._request_of(a) for a in plan.admissions])
+                requests = [self._request_of(a) for a in plan.admissions]
+                requests = [r for r in requests if self._prompt_logprobs(r)]
+                if requests:
+                    self._admit(requests)
 
     def _forget(self, gone: set) -> None:
         serials = {serial for serial, _ in gone}
@@ -514,6 +518,19 @@ class Engine(EngineControl):
             self._live[request.serial] = request
         request.open_choices(self.eos_token_ids, self.tokenizer if self.rank == 0 else None)
         return request
+
+    def _prompt_logprobs(self, request: Request) -> bool:
+        """``params.prompt_logprobs``: score()'s forward over the prompt, once, on every rank; False if it failed."""
+        request.prompt_logprobs = None
+        if request.params.prompt_logprobs is None:
+            return True
+        try:
+            found = prompt_top_logprobs(self.model, request.prompt, request.params.prompt_logprobs)
+        except Exception as error:
+            self._fail(request, error)
+            return False
+        request.prompt_logprobs = prompt_logprob_entries(request.prompt, *found) if self.rank == 0 else None
+        return True
 
     def _scores(self, logits):
         return self.ops.cast(gather_vocab_logits(self.ops, self.model, logits), "float32")
@@ -641,6 +658,7 @@ class Engine(EngineControl):
             prompt_tokens=len(request.prompt),
             completion_tokens=sum(len(c.token_ids) for c in request.choices),
             weight_version=self._weight_version,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
 

@@ -62,6 +62,26 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # over every choice
     weight_version: Optional[object] = None  # Engine.update_weights' version when this output was made
+    # SamplingParams.prompt_logprobs=k: vLLM's, one per prompt token: None for the first, then a logprob entry
+    # (ChoiceOutput.logprobs' format, plus its "rank") of that token given the tokens before it, with the top k;
+    # None when not asked
+    prompt_logprobs: Optional[List[Optional[dict]]] = None
 
 
-__all__ = ["CompletionChunk", "ChoiceOutput", "RequestOutput"]
+def logprob_entry(token_id: int, logprob: float, top_logprobs) -> dict:
+    """One token's logprob entry (``CompletionChunk.logprobs``' format): its id, its logprob, the top
+    ``(id, logprob)`` pairs."""
+    return {"token_id": int(token_id), "logprob": float(logprob), "top_logprobs": list(top_logprobs)}
+
+
+def prompt_logprob_entries(prompt: List[int], chosen, values, ids, ranks) -> List[Optional[dict]]:
+    """``RequestOutput.prompt_logprobs`` from ``scoring.prompt_top_logprobs``' host arrays: logprob
+    entries with one more key, ``rank``: the prompt token's rank in its position's distribution (1 = likeliest)."""
+    entries: List[Optional[dict]] = [None]
+    for t, token in enumerate(prompt[1:]):
+        top = [] if values is None else [(int(i), float(v)) for i, v in zip(ids[t], values[t])]
+        entries.append(dict(logprob_entry(token, chosen[t], top), rank=int(ranks[t])))
+    return entries
+
+
+__all__ = ["CompletionChunk", "ChoiceOutput", "RequestOutput", "logprob_entry", "prompt_logprob_entries"]

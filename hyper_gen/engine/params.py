@@ -43,6 +43,8 @@ class SamplingParams:
     draws as row i). ``stop``: strings that end the choice when its text contains one (the text
     returned excludes it; needs the engine's tokenizer). ``stop_token_ids``: ids that end it (kept
     in ``token_ids``, like EOS). ``logprobs=k``: each new token's logprob, plus the top ``k``.
+    ``prompt_logprobs=k``: each prompt token's logprob given the tokens before it, plus the top ``k``
+    (``RequestOutput.prompt_logprobs``, vLLM's; one extra forward over the prompt at admission).
     """
 
     n: int = 1
@@ -57,6 +59,7 @@ class SamplingParams:
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     min_tokens: int = 0
     # MoE models: each token's router choices, per MoE layer (ChoiceOutput.routed_experts; vLLM / SGLang's R3)
     return_routed_experts: bool = False
@@ -99,6 +102,8 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:

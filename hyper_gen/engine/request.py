@@ -22,6 +22,7 @@ class Request:
         self.choices: List[Choice] = []
         self.closed = False  # output delivered (or failed / aborted)
         self.stop_ids: frozenset = frozenset()
+        self.prompt_logprobs: Optional[list] = None  # vLLM's prompt_logprobs entries (rank 0), set at admission
 
     def open_choices(self, eos_ids, tokenizer) -> None:
         """The n choices, and the ids that end one: EOS (unless ignore_eos) and stop_token_ids."""
@@ -45,6 +46,7 @@ class Choice:
         self.finish_reason: Optional[str] = None
         self.text = IncrementalText(tokenizer, request.params.stop_strings)
         self.seen = None  # device (1, V) bool of ids seen so far, for the repetition penalty
+        self.routes: List = []  # per token: (moe_layers, top_k) experts, when return_routed_experts
         # True once rank 0 alone ended it (a stop string, a cancel): its row leaves at the next plan
         self.ended_on_rank0 = False
 

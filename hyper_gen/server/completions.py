@@ -62,6 +62,13 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
         raise APIError(f"generation failed: {exc}", status=500) from exc
     finally:
         watcher.cancel()
+    if request.prompt_logprobs is not None:  # vLLM's: every choice of a prompt carries that prompt's
+        for i, stream in enumerate(requests.streams):
+            found = stream.result(timeout=5).prompt_logprobs  # the stream has ended: no wait
+            prompt_logprobs = None if found is None else state.tokens.prompt(found)
+            for j in range(request.n):
+                if i * request.n + j in choices:
+                    choices[i * request.n + j].prompt_logprobs = prompt_logprobs
     ordered = [choices[k] for k in sorted(choices)]
     return CompletionResponse(**head, choices=ordered, usage=_usage(prompt_tokens, generated))
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from functools import lru_cache
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from hyper_gen.engine.detokenize import fast_decoder
 
-from .protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from .protocol import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 
 def _finite(value: float) -> float:
@@ -85,6 +85,22 @@ class TokenStrings:
             out.top_logprobs.append({self.text(i): _finite(lp) for i, lp in entry.get("top_logprobs") or ()})
             out.text_offset.append(offset)
         return out
+
+    def prompt(self, entries: List[Optional[dict]]) -> List[Optional[Dict[str, PromptLogprob]]]:
+        """``RequestOutput.prompt_logprobs`` in vLLM's format: per position the prompt token, then the top k."""
+        out: List[Optional[Dict[str, PromptLogprob]]] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            tokens = {str(entry["token_id"]): self._prompt_logprob(entry["token_id"], entry["logprob"], entry["rank"])}
+            for rank, (token_id, logprob) in enumerate(entry["top_logprobs"], 1):
+                tokens.setdefault(str(token_id), self._prompt_logprob(token_id, logprob, rank))
+            out.append(tokens)
+        return out
+
+    def _prompt_logprob(self, token_id: int, logprob: float, rank: int) -> PromptLogprob:
+        return PromptLogprob(logprob=_finite(logprob), rank=int(rank), decoded_token=self.text(token_id))
 
     def chat(self, entries: List[Tuple[dict, int]]) -> ChatLogprobs:
         content = []

@@ -51,6 +51,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, List[str], List[int], List[List[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)  # vLLM's extra (not with stream)
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -100,11 +101,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: List[int] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one token of a prompt position, ``rank`` 1 for the likeliest."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    # vLLM's: None for the first prompt token, then {token id as a string: PromptLogprob} (the prompt token, top k)
+    prompt_logprobs: Optional[List[Optional[Dict[str, PromptLogprob]]]] = None
 
 
 class CompletionResponse(BaseModel):
