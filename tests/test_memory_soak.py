@@ -101,14 +101,15 @@ BOUNDS_KB = {
 @pytest.mark.parametrize("backend", ["mindspore", "torch"])
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
 def test_generate_memory_is_flat_over_many_calls(backend, mode):
-    growth, first, second = _growth(backend, mode, warm=15, calls=120)
+    _, first, second = _growth(backend, mode, warm=10, calls=60)
     bound = BOUNDS_KB[(backend, mode)]
-    assert growth <= bound, f"{backend} {mode}: RSS grew {growth:.1f} KB a generate call (halves {first}, {second})"
+    # the second half: a leak shows in both halves, a cache filling up (or the heap's first pages) in the first
+    assert second <= bound, f"{backend} {mode}: RSS grew {second:.1f} KB a generate call (halves {first}, {second})"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["mindspore", "torch"])
 def test_engine_memory_is_flat_over_many_requests(backend):
-    growth, first, second = _growth(backend, "engine", warm=30, calls=60)
+    _, first, second = _growth(backend, "engine", warm=20, calls=40)
     bound = BOUNDS_KB[(backend, "engine")]
-    assert growth <= bound, f"{backend} engine: RSS grew {growth:.1f} KB a request (halves {first}, {second})"
+    assert second <= bound, f"{backend} engine: RSS grew {second:.1f} KB a request (halves {first}, {second})"

@@ -5,7 +5,7 @@
 - a stalled (SIGSTOPped) rank: the job fails within the configured timeout, the timeout named;
 - ``hyper-gen chat`` under torchrun: a pause longer than ``--timeout`` is not a stalled rank;
 - MindSpore ``generate`` from 4 threads: serialised, every result the single-threaded one;
-- MindSpore native memory per decode step, bounded (it leaked ~70 KB a step).
+- (MindSpore native memory: tests/test_memory_soak.py.)
 
 Multi-process jobs run in their own session (killed whole on timeout: a SIGSTOPped worker would
 otherwise outlive the test) on free ports.
@@ -292,44 +292,4 @@ def test_generate_from_four_threads(backend):
     assert "results=12 same=12 errors=[]" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
 
 
-MEMORY_JOB = r"""
-import gc
-import numpy as np
-import hyper_gen
-from hyper_gen.demo import demo_model_path
-
-def rss_kb():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-
-model = hyper_gen.load_model(demo_model_path(), backend="mindspore")
-ids = [[5, 6, 7, 8, 9, 10], [0, 0, 7, 8, 9, 4]]
-mask = [[1] * 6, [0, 0, 1, 1, 1, 1]]
-steps, calls = 100, 15
-config = hyper_gen.GenerationConfig(max_new_tokens=steps, eos_token_id=None)
-for _ in range(3):  # warm-up: kernels, the memory pool's first blocks
-    hyper_gen.generate(model, ids, config, attention_mask=mask)
-gc.collect()
-before = rss_kb()
-for _ in range(calls):
-    hyper_gen.generate(model, ids, config, attention_mask=mask)
-gc.collect()
-print(f"growth_kb_per_step={(rss_kb() - before) / (steps * calls):.2f}", flush=True)
-"""
-
-# KB of RSS a MindSpore decode step of the demo model may add after warm-up. It was ~70 (MatMul /
-# BatchMatMul transpose flags and mint.mean / mint.sum arguments: MindSpore 2.10's CPU kernels
-# never free a scalar argument's pool memory). Batched products through mint.bmm and the
-# reduction primitives leave ~37: the 2-D projections stay MatMul (mint.bmm is several times
-# slower there), plus the axis arguments of ReduceMean, GLU, Softmax, Concat.
-MAX_GROWTH_KB_PER_STEP = 45
-
-
-@pytest.mark.slow
-def test_mindspore_decode_memory_is_bounded():
-    result = subprocess.run(
-        [sys.executable, "-c", MEMORY_JOB], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    growth = float(re.search(r"growth_kb_per_step=([-\d.]+)", result.stdout).group(1))
-    assert growth <= MAX_GROWTH_KB_PER_STEP, f"RSS grew {growth:.1f} KB a decode step"
+# MindSpore native memory over many calls: tests/test_memory_soak.py (generate and the engine, both frameworks)
