@@ -32,7 +32,8 @@ and, for the benchmarks (which ask the adapter for a capability, never compare b
   (the generate loop's own cost, ``bench loop``).
 
 The torch adapter also offers ``cpu_products(x, w)``, the float32 CPU products its kernels run
-(``bench models`` times the host's anchors with torch).
+(``bench models`` times the host's anchors with torch), and ``load_sharded(path, dtype, sharder)``:
+an HF model sharded over the job's ranks by one of its ``Backend.sharders`` (``--shard``).
 
 Adapters are imported on first use, and :func:`backend_for` only asks adapters whose framework is
 already imported, so ``import hyper_gen`` never imports torch or mindspore. A new backend is one
@@ -52,10 +53,11 @@ class Backend:
     name: str  # what users type: load_model(backend=...), --backend
     framework: str  # the top-level module whose presence in sys.modules makes the adapter eligible
     package: str  # the adapter package
+    sharders: tuple = ()  # what its load_sharded shards an HF model with (--shard), known without importing it
 
 
 BACKENDS = {
-    "torch": Backend("torch", "torch", "hyper_gen.backends.torch"),
+    "torch": Backend("torch", "torch", "hyper_gen.backends.torch", ("fsdp2", "hyperparallel")),
     "mindspore": Backend("mindspore", "mindspore", "hyper_gen.backends.mindspore"),
 }
 

@@ -26,7 +26,7 @@ from hyper_gen.parallel.launcher import (
 )
 from hyper_gen.streaming import TextStreamer
 
-from .common import generation_config, load_everything
+from .common import end_sharded_job, generation_config, load_everything
 
 EXIT_WORDS = ("exit", "quit")
 
@@ -104,4 +104,5 @@ def run_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply.strip()})
         turn += 1
     print("", file=out, flush=True)
-    return 0
+    del model  # before a --shard job leaves its group
+    return end_sharded_job(args, 0)

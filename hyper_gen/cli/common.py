@@ -5,8 +5,11 @@ server share with the CLI (user errors, the tokenizer, the JSONL runner) is in `
 
 from __future__ import annotations
 
+import os
+import sys
+
 from hyper_gen import registry
-from hyper_gen.config import GenerationConfig
+from hyper_gen.config import GenerationConfig, model_defaults
 from hyper_gen.demo import demo_model_path
 from hyper_gen.jobs.errors import UsageError
 from hyper_gen.jobs.tokenizer import check_tokenizer_files, load_tokenizer
@@ -14,10 +17,12 @@ from hyper_gen.models.checkpoint import folder_problem
 from hyper_gen.models.loading import load_model
 from hyper_gen.parallel.launcher import (
     TIMEOUT_ENV,
+    broadcast_ints,
     collective_timeout_s,
     host_ops,
     init_distributed,
     launched_multi_rank,
+    shutdown_distributed,
 )
 
 
@@ -51,6 +56,13 @@ def add_model_flags(parser):
         metavar="SECONDS",
         help=f"under torchrun / msrun: how long a rank waits for a stalled or dead peer before the job fails "
         f"(default: ${TIMEOUT_ENV}, else 600 s on torch, 30 s on MindSpore's CPU collectives)",
+    )
+    parser.add_argument(
+        "--shard",
+        default="none",
+        choices=("none",) + tuple(dict.fromkeys(s for b in registry.BACKENDS.values() for s in b.sharders)),
+        help="under torchrun: load --model with transformers and shard every decoder layer and the root over all "
+        "ranks, with torch's FSDP2 or HyperParallel's fully_shard (chat, generate; torch) (default: %(default)s)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the frameworks' own log messages")
 
@@ -121,6 +133,9 @@ def load_everything(args):
     cp = getattr(args, "cp", 1)
     if cp < 1:
         raise UsageError(f"--cp must be >= 1, got {cp}")
+    shard = getattr(args, "shard", "none")
+    if shard != "none":
+        _check_shard(args, shard, cp)
     try:
         timeout_s = collective_timeout_s(getattr(args, "timeout", None))
     except ValueError as exc:
@@ -130,23 +145,55 @@ def load_everything(args):
     if args.tp > 1 or cp > 1 or launched_multi_rank():
         init_distributed(args.backend, timeout_s=timeout_s)
     try:
-        model = load_model(
-            path,
-            backend=args.backend,
-            dtype=args.dtype,
-            tp=args.tp,
-            cp=cp,
-            cp_strategy=getattr(args, "cp_strategy", "allgather"),
-        )
+        if shard != "none":
+            model = registry.adapter(args.backend).load_sharded(path, args.dtype, shard)
+        else:
+            model = load_model(
+                path,
+                backend=args.backend,
+                dtype=args.dtype,
+                tp=args.tp,
+                cp=cp,
+                cp_strategy=getattr(args, "cp_strategy", "allgather"),
+            )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     tokenizer = load_tokenizer(path)
-    defaults = dict(getattr(model, "generation_defaults", {}) or {})
+    defaults = dict(getattr(model, "generation_defaults", None) or model_defaults(model))
     if defaults.get("eos_token_id") is None and tokenizer.eos_token_id is not None:
         defaults["eos_token_id"] = tokenizer.eos_token_id
     if defaults.get("pad_token_id") is None:
         defaults["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return model, tokenizer, defaults
+
+
+def _check_shard(args, shard: str, cp: int) -> None:
+    """UsageError unless ``--shard`` can shard this job: a backend with that sharder, no --tp / --cp, a
+    multi-rank job, and chat or generate."""
+    able = [b.name for b in registry.BACKENDS.values() if shard in b.sharders]
+    if args.backend not in able:
+        raise UsageError(f"--shard {shard} needs --backend {' or '.join(able)}, not {args.backend}")
+    if args.tp > 1 or cp > 1:
+        raise UsageError(f"--shard {shard} shards the whole model over all ranks: it does not combine with --tp / --cp")
+    if getattr(args, "command", None) == "serve":
+        raise UsageError(f"--shard {shard} is for chat and generate, not serve")
+    if not launched_multi_rank():
+        launcher = registry.adapter(args.backend).launcher(2)
+        raise UsageError(f"--shard {shard} shards the model over the ranks of a job: run it under {launcher} or more")
+
+
+def end_sharded_job(args, code: int) -> int:
+    """``code``; in a ``--shard`` job, this rank exits with it once every rank is here, leaving the group
+    and skipping the interpreter's teardown, as hyper_gen/bench/rollout.py does: gloo threads still
+    holding FSDP's async work can abort a rank at finalization (SIGABRT, pytorch/pytorch#179291). The
+    caller drops its model first (FSDP's state holds the mesh's group)."""
+    if getattr(args, "shard", "none") == "none" or not launched_multi_rank():
+        return code
+    broadcast_ints(host_ops(args.backend), [code])  # every rank done with the group before it goes
+    shutdown_distributed(args.backend)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rank(backend: str) -> int:

@@ -12,7 +12,7 @@ from hyper_gen.jobs.errors import UsageError
 from hyper_gen.jobs.jsonl import context_length, open_job, run_jsonl
 from hyper_gen.streaming import TextStreamer
 
-from .common import generation_config, load_everything, model_path, rank
+from .common import end_sharded_job, generation_config, load_everything, model_path, rank
 
 
 def run_generate(args) -> int:
@@ -40,14 +40,17 @@ def run_generate(args) -> int:
     rank0 = rank(args.backend) == 0
     if job is not None:
         context = context_length(model, tokenizer, model_path(args))
-        return run_jsonl(
+        code = run_jsonl(
             model, tokenizer, config, job, args.batch_size, write=rank0, context=context, batching=args.batching
         )
-    check_prompts(args.prompt, tokenizer, context_length(model, tokenizer, model_path(args)))
-    try:
-        return _print_completions(args, model, tokenizer, config, rank0)
-    except (TypeError, ValueError) as exc:  # what generate() rejects in this input (it names the field and value)
-        raise UsageError(_first_line(exc)) from None
+    else:
+        check_prompts(args.prompt, tokenizer, context_length(model, tokenizer, model_path(args)))
+        try:
+            code = _print_completions(args, model, tokenizer, config, rank0)
+        except (TypeError, ValueError) as exc:  # what generate() rejects in this input (it names the field and value)
+            raise UsageError(_first_line(exc)) from None
+    del model  # before a --shard job leaves its group
+    return end_sharded_job(args, code)
 
 
 def check_prompts(prompts, tokenizer, context) -> None:

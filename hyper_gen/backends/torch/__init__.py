@@ -20,7 +20,7 @@ from .devices import default_device, distributed_backend, npu_available, rank_de
 from .launch import init_from_env as init_distributed
 from .launch import shutdown as shutdown_distributed
 from .ops import TorchOps, torch_dtype
-from .sharding import collective_forward, find_parallelism, parameters_unsharded
+from .sharding import collective_forward, find_parallelism, load_sharded, parameters_unsharded
 
 NAME = "torch"
 CP_STRATEGIES = ("allgather", "ulysses")  # gloo / NCCL / HCCL all have the all-to-all Ulysses needs

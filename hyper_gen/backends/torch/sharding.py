@@ -1,19 +1,50 @@
 """What generate() needs to know about a model its trainer sharded: torch's FSDP2 / FSDP1 / DTensor
 parameters and HyperParallel's torch ``fully_shard`` (ranks step together), ``parallelize_module``'s
 vocab-parallel output layer on a 1-D or 2-D mesh, and ``parameters_unsharded`` (docs/architecture.md,
-"Trainer-sharded torch models")."""
+"Trainer-sharded torch models"); ``load_sharded`` for ``hyper-gen chat --shard``."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
 
 from hyper_gen.parallel import hyperparallel
 
+from .devices import rank_device
+from .ops import torch_dtype
+
 _FSDP = (FSDPModule, FullyShardedDataParallel)
+
+
+def load_sharded(path: str, dtype: str, sharder: str):
+    """The HF causal LM in ``path`` (``dtype``: its name) with every decoder layer and the root
+    sharded over a 1-D mesh of all ranks, by torch's FSDP2 ``fully_shard`` or HyperParallel's. The
+    latter splits dim 0 evenly only: a root with a parameter that does not split (the demo's 99-row
+    embedding) stays whole, its decoder layers sharded."""
+    from transformers import AutoModelForCausalLM
+
+    device = rank_device()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
+    world = dist.get_world_size()
+    if sharder == "hyperparallel":
+        os.environ.setdefault("HYPER_PARALLEL_PLATFORM", "torch")  # it picks MindSpore whenever MindSpore imports
+        from hyper_parallel import init_device_mesh
+        from hyper_parallel.core.fully_shard import fully_shard
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+    even = all(p.dim() and p.shape[0] % world == 0 for p in model.parameters())
+    mesh = init_device_mesh(device.split(":")[0], (world,), mesh_dim_names=("dp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if even or sharder == "fsdp2":
+        fully_shard(model, mesh=mesh)
+    return model
 
 
 def _modules(model):
