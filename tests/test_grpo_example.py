@@ -13,7 +13,7 @@ TIMEOUT_S = 600
 
 def _run(backend):
     result = subprocess.run(
-        [sys.executable, f"{REPO}/examples/grpo_loop.py", "--backend", backend],
+        [sys.executable, f"{REPO}/examples/grpo_loop.py", "--backend", backend, "--iterations", "4"],
         capture_output=True,
         text=True,
         env=_env(),
@@ -29,10 +29,10 @@ def _run(backend):
 def test_grpo_example_raises_reward(backend):
     out = _run(backend)
     rewards = [float(r) for r in re.findall(r"^iter \d+ reward ([\d.]+)", out, re.M)]
-    assert len(rewards) == 8, out
+    assert len(rewards) == 4, out
     first, last = map(float, re.search(r"^reward ([\d.]+) -> ([\d.]+)", out, re.M).groups())
     assert (first, last) == (rewards[0], rewards[-1]), out
-    assert last > first + 0.05, out  # measured 0.556 -> 0.76 on both backends
+    assert last > first + 0.05, out  # measured 0.556 -> 0.688 in 4 iterations (0.76 in the default 8)
     # the rollout's raw logprobs against score's teacher-forced recompute, and the trainer's logprobs
     # against the rollout's (same weights after every update_weights): float32 decode-vs-forward noise,
     # measured up to 2.1e-4 at the worst of ~1000 tokens (MindSpore); a missed weight push is ~1e-2
