@@ -4,6 +4,11 @@ Frameworks are imported here directly: a test that needs one must fail, not skip
 """
 
 import numpy as np
+import pytest
+
+# the backend parameter of a test whose MindSpore case takes 5 s and more on 2 cores: that case runs in the
+# whole suite (slow), the torch one in the fast loop too
+SLOW_ON_MINDSPORE = ["torch", pytest.param("mindspore", marks=pytest.mark.slow)]
 
 
 class TorchHarness:

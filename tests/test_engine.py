@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from backend_harness import SLOW_ON_MINDSPORE
 from demo_task import DEMO_MODEL_DIR, make_prompts
 from transformers import AutoTokenizer
 
@@ -17,8 +18,6 @@ from hyper_gen import generate, load_model
 from hyper_gen.engine import Engine, SamplingParams
 
 BACKENDS = ["torch", "mindspore"]
-# MindSpore cases of 5 s and more (on 2 cores) run in the whole suite, not the fast loop
-SLOW_ON_MINDSPORE = ["torch", pytest.param("mindspore", marks=pytest.mark.slow)]
 # MindSpore with its decode steps compiled from the first: the engine's steps run PyNative until a
 # batch size has been decoded 256 times (decode_compile_after), more than these tests decode
 COMPILED = "mindspore-compiled"

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from backend_harness import SLOW_ON_MINDSPORE
 from launch import script, torchrun
 from test_engine import demo, host, prompts, reference
 from transformers import AutoTokenizer
@@ -19,8 +20,6 @@ from hyper_gen.engine import Engine, SamplingParams
 from hyper_gen.engine.outputs import RequestOutput
 
 BACKENDS = ["torch", "mindspore"]
-# MindSpore cases of 5 s and more (on 2 cores) run in the whole suite, not the fast loop
-SLOW_ON_MINDSPORE = ["torch", pytest.param("mindspore", marks=pytest.mark.slow)]
 SAMPLED = dict(temperature=1.3, top_k=8, top_p=0.9)
 
 

@@ -17,6 +17,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from backend_harness import SLOW_ON_MINDSPORE
 from demo_task import DEMO_MODEL_DIR
 from safetensors.numpy import load_file, save_file
 
@@ -24,8 +25,6 @@ from hyper_gen import generate, load_model, update_weights
 from hyper_gen.engine import Engine, SamplingParams
 
 BACKENDS = ["torch", "mindspore"]
-# the MindSpore cases of the heaviest checks (6-15 s each on 2 cores) run in the whole suite, not the fast loop
-SLOW_ON_MINDSPORE = ["torch", pytest.param("mindspore", marks=pytest.mark.slow)]
 PROMPT = [[3, 17, 42, 8, 23, 5, 61, 30]]
 
 
