@@ -17,7 +17,14 @@ import numpy as np
 from .config import GenerationConfig
 from .drivers import make_driver
 from .inputs import InputTypeError, ModelLimits, PromptBatch, _as_2d_int, _first
-from .parallel.model_group import check_consistent_inputs, exclusive, gather_vocab_logits
+from .parallel.model_group import (
+    check_consistent_inputs,
+    exclusive,
+    forward_is_collective,
+    gather_vocab_logits,
+    model_group_leader,
+)
+from .parallel.step_sync import StepSync
 from .registry import backend_for, to_host
 from .sampling import log_softmax
 
@@ -48,8 +55,16 @@ def score(model, sequences, attention_mask=None, prompt_lengths=None):
 
     Bad input (wrong rank or shape, a mask that is not one run of ones, ids outside the vocabulary the
     model declares, prompt_lengths out of range, a row longer than the model's context) raises
-    ``ValueError`` / ``TypeError`` naming the field, before the forward. Every rank of a multi-rank
-    model calls it with the same arguments (checked, as generate checks them).
+    ``ValueError`` / ``TypeError`` naming the field, before the forward.
+
+    Split models: every rank of a model-parallel group (``load_model(..., tp=N)``, a model declaring
+    ``parallel_group``) calls it with the same arguments (checked, as generate checks them) and gets
+    the same logprobs, the whole vocabulary's. A model whose forward runs collectives across the job
+    (FSDP2 ``fully_shard``, ZeRO-3, DTensor: generate's step-synced kind) needs every rank of the job
+    to call it once, each with its own batch (of any size) or the same one; its parameters are
+    gathered once per layer in that one forward, so there is no ``unshard_params``. On either kind a
+    rank whose input is refused raises its error and every other rank a ``ValueError`` naming that
+    rank, before any forward, instead of waiting for it in a collective.
     """
     return _score(model, sequences, attention_mask, prompt_lengths)[0]
 
@@ -75,29 +90,29 @@ def _score(model, sequences, attention_mask, prompt_lengths, top=None):
     if model is None or not callable(model):
         raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
     ops = backend_for(model, sequences)
-    ids, mask, starts = _checked_sequences(sequences, attention_mask)
-    batch, width = ids.shape
-    lengths = mask.sum(axis=1)
-    scored = np.zeros((batch, width), dtype=bool)
-    scored[:, 1:] = (mask[:, 1:] == 1) & (mask[:, :-1] == 1)  # a real token after a real token
-    if prompt_lengths is not None:
-        prompts = _checked_prompt_lengths(prompt_lengths, batch, lengths)
-        scored &= np.arange(width)[None, :] >= (starts + prompts)[:, None]
-    limits = ModelLimits.of(model)
-    if limits.vocab_size is not None:
-        _check_ids(ids, limits.vocab_size, "vocab_size")
-    if limits.context is not None and int(lengths.max()) > limits.context:
-        row = int(np.argmax(lengths))
-        raise ValueError(
-            f"sequences row {row} has {int(lengths[row])} real tokens, more than the model's context of "
-            f"{limits.context} positions (max_position_embeddings)"
-        )
-    # the forward sees each row from its first real token on: trailing padding is fed as tokens (a causal
-    # model's earlier positions cannot see it) and its scores dropped
-    forward_mask = (np.cumsum(mask, axis=1) > 0).astype(np.int64)
-    prompt = PromptBatch(ids=ids, mask=forward_mask, lengths=forward_mask.sum(axis=1), padded=bool((starts > 0).any()))
+    sync = _rank_sync(ops, model)
     config = GenerationConfig(max_new_tokens=1, use_cache=False, eos_token_id=None)
-    check_consistent_inputs(ops, model, prompt, config)
+    try:
+        ids, scored, prompt, given, extra = _checked_inputs(model, sequences, attention_mask, prompt_lengths)
+    except Exception as error:
+        # the other ranks of a split model must not wait in a collective for a rank that refused its input
+        if sync is not None:
+            sync.start(error, 0)
+        else:
+            check_consistent_inputs(ops, model, None, None, extra=_UNCHECKED, error=error, caller="score()")
+        raise
+    if sync is not None:
+        sync.start(None, ids.shape[0])
+        try:  # every rank's input is valid: now a model-parallel group compares its ranks' inputs
+            check_consistent_inputs(ops, model, given, config, extra=extra, caller="score()")
+        except Exception as error:
+            sync.agree(error)
+            raise
+        sync.agree(None)
+    else:
+        check_consistent_inputs(ops, model, given, config, extra=extra, caller="score()")
+    batch, width = ids.shape
+    limits = ModelLimits.of(model)
     driver = make_driver(model, ops, prompt, config, ops.param_dtype(model))
     with exclusive(ops, model), ops.no_grad():
         logits = gather_vocab_logits(ops, model, driver.all_logits())
@@ -122,6 +137,47 @@ def _score(model, sequences, attention_mask, prompt_lengths, top=None):
             return ops.to_numpy(picked[0]), values, ids_top, ranks
         picked = ops.concat([ops.zeros((batch, 1), dtype), picked], 1)
         return ops.where(ops.asarray(scored, "bool"), picked, 0.0), None, None, None
+
+
+_UNCHECKED = (("prompt_lengths", b""),)  # the extra fields score() compares across ranks, unset
+
+
+def _rank_sync(ops, model):
+    """generate()'s step sync, for a model whose forward runs collectives across the job (FSDP, ZeRO-3,
+    DTensor): every rank learns before the forward whether every rank's input was valid; None elsewhere."""
+    if ops.world_size() == 1 or not forward_is_collective(ops, model):
+        return None
+    return StepSync(ops, model_group_leader(ops, model), caller="score()", before="before the forward")
+
+
+def _checked_inputs(model, sequences, attention_mask, prompt_lengths):
+    """(ids, scored (B, T) bool, the forward's PromptBatch, the ids and mask as given (what the ranks of a
+    split model compare), the extra (name, bytes) fields they compare), or ValueError / TypeError."""
+    ids, mask, starts = _checked_sequences(sequences, attention_mask)
+    batch, width = ids.shape
+    lengths = mask.sum(axis=1)
+    scored = np.zeros((batch, width), dtype=bool)
+    scored[:, 1:] = (mask[:, 1:] == 1) & (mask[:, :-1] == 1)  # a real token after a real token
+    prompts = None
+    if prompt_lengths is not None:
+        prompts = _checked_prompt_lengths(prompt_lengths, batch, lengths)
+        scored &= np.arange(width)[None, :] >= (starts + prompts)[:, None]
+    limits = ModelLimits.of(model)
+    if limits.vocab_size is not None:
+        _check_ids(ids, limits.vocab_size, "vocab_size")
+    if limits.context is not None and int(lengths.max()) > limits.context:
+        row = int(np.argmax(lengths))
+        raise ValueError(
+            f"sequences row {row} has {int(lengths[row])} real tokens, more than the model's context of "
+            f"{limits.context} positions (max_position_embeddings)"
+        )
+    # the forward sees each row from its first real token on: trailing padding is fed as tokens (a causal
+    # model's earlier positions cannot see it) and its scores dropped
+    forward_mask = (np.cumsum(mask, axis=1) > 0).astype(np.int64)
+    prompt = PromptBatch(ids=ids, mask=forward_mask, lengths=forward_mask.sum(axis=1), padded=bool((starts > 0).any()))
+    given = PromptBatch(ids=ids, mask=mask, lengths=lengths, padded=prompt.padded)
+    extra = (("prompt_lengths", b"" if prompts is None else b"1" + prompts.tobytes()),)
+    return ids, scored, prompt, given, extra
 
 
 def _checked_sequences(sequences: Any, attention_mask: Any):

@@ -109,9 +109,38 @@ def server():
     assert "Traceback" not in server.log, server.log
 
 
+def _check_served_prompt_logprobs(entries, prompt, k, hf, tokenizer):
+    """A served ``prompt_logprobs`` list for ``prompt`` (token ids): None, then per token its own entry
+    (``score``'s logprob, its rank in HF's log-softmax, its decoded text) and HF's top k."""
+    reference = hf_log_softmax(hf, prompt)
+    scored = host(score(demo("torch"), [prompt]))[0]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for t in range(1, len(prompt)):
+        entry = entries[t]
+        own = entry[str(prompt[t])]
+        assert abs(own["logprob"] - float(scored[t])) <= 1e-6
+        assert own["rank"] == 1 + int((reference[t - 1] > reference[t - 1, prompt[t]]).sum())
+        assert own["decoded_token"] == tokenizer.decode([prompt[t]])
+        top = torch.topk(reference[t - 1], k).indices.tolist()
+        for rank, token_id in enumerate(top, 1):
+            if token_id != prompt[t]:
+                assert entry[str(token_id)]["rank"] == rank
+                assert abs(entry[str(token_id)]["logprob"] - float(reference[t - 1, token_id])) <= 1e-4
+                assert entry[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
+        assert set(entry) == {str(i) for i in top} | {str(prompt[t])}
+
+
+def _refused(server, route, body):
+    from test_server import post
+
+    status, text = post(server.url + route, body)
+    assert status == 400, (route, body, text)
+    error = json.loads(text)["error"]
+    assert error["param"] == "prompt_logprobs" and error["type"] == "invalid_request_error", error
+
+
 def test_server_prompt_logprobs(server, prompts, hf):
     import openai
-    from test_server import post
 
     client = server.client()
     prompt = prompts[0]
@@ -119,32 +148,44 @@ def test_server_prompt_logprobs(server, prompts, hf):
     response = client.completions.create(
         model="demo", prompt=prompt, max_tokens=2, temperature=0, n=2, extra_body={"prompt_logprobs": k}
     )
-    reference = hf_log_softmax(hf, prompt)
-    scored = host(score(demo("torch"), [prompt]))[0]
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
     assert len(response.choices) == 2
     for choice in response.choices:
-        entries = choice.prompt_logprobs  # vLLM's extra field, kept by the openai client
-        assert len(entries) == len(prompt) and entries[0] is None
-        for t in range(1, len(prompt)):
-            entry = entries[t]
-            own = entry[str(prompt[t])]
-            assert abs(own["logprob"] - float(scored[t])) <= 1e-6
-            assert own["rank"] == 1 + int((reference[t - 1] > reference[t - 1, prompt[t]]).sum())
-            assert own["decoded_token"] == tokenizer.decode([prompt[t]])
-            top = torch.topk(reference[t - 1], k).indices.tolist()
-            for rank, token_id in enumerate(top, 1):
-                if token_id != prompt[t]:
-                    assert entry[str(token_id)]["rank"] == rank
-                    assert abs(entry[str(token_id)]["logprob"] - float(reference[t - 1, token_id])) <= 1e-4
-            assert set(entry) == {str(i) for i in top} | {str(prompt[t])}
+        # vLLM's extra field, kept by the openai client
+        _check_served_prompt_logprobs(choice.prompt_logprobs, prompt, k, hf, tokenizer)
     plain = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
     assert getattr(plain.choices[0], "prompt_logprobs", None) is None
     for bad in ("21", "-1", "true", '"2"', "1.5"):
-        status, text = post(server.url + "/v1/completions", f'{{"prompt": "rev 1 =", "prompt_logprobs": {bad}}}')
-        assert status == 400, (bad, text)
-        error = json.loads(text)["error"]
-        assert error["param"] == "prompt_logprobs" and error["type"] == "invalid_request_error", error
+        _refused(server, "/v1/completions", f'{{"prompt": "rev 1 =", "prompt_logprobs": {bad}}}')
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="demo", prompt="rev 1 =", stream=True, extra_body={"prompt_logprobs": 1})
     assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_server_chat_prompt_logprobs(server, hf):
+    """/v1/chat/completions: the templated prompt's, once at the response's top level (as vLLM's)."""
+    import openai
+
+    client = server.client()
+    tokenizer = AutoTokenizer.from_pretrained(DEMO)
+    messages = [{"role": "user", "content": make_prompts(1, seed=12)[0][0]}]
+    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.encode(templated, add_special_tokens=False)  # as the server encodes a chat (vLLM's way)
+    for k in (0, 3):
+        response = client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=2, temperature=0, n=2, extra_body={"prompt_logprobs": k}
+        )
+        assert response.usage.prompt_tokens == len(prompt) and len(response.choices) == 2
+        assert all(getattr(choice, "prompt_logprobs", None) is None for choice in response.choices)
+        _check_served_prompt_logprobs(response.prompt_logprobs, prompt, k, hf, tokenizer)
+    plain = client.chat.completions.create(model="demo", messages=messages, max_tokens=2, temperature=0)
+    assert getattr(plain, "prompt_logprobs", None) is None
+    body = '{"messages": [{"role": "user", "content": "rev 1 ="}], "max_tokens": 1, "prompt_logprobs": %s}'
+    for bad in ("21", "-1", "true", '"2"', "1.5"):
+        _refused(server, "/v1/chat/completions", body % bad)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="demo", messages=messages, stream=True, max_tokens=1, extra_body={"prompt_logprobs": 1}
+        )
+    assert info.value.body["param"] == "prompt_logprobs"
+    assert "stream" in info.value.body["message"]

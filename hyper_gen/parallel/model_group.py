@@ -33,6 +33,7 @@ import weakref
 import numpy as np
 
 from hyper_gen import registry
+from hyper_gen.config import GenerationConfig
 
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> what its adapter found
 
@@ -105,40 +106,60 @@ def _callables(value):
     return [getattr(f, "__qualname__", None) or type(f).__qualname__ for f in value]
 
 
-def _fields(prompt, config):
-    """(name, bytes) of everything every rank must agree on before the first step."""
-    yield "input_ids", repr(prompt.ids.shape).encode() + prompt.ids.tobytes()
-    yield "attention_mask", repr(prompt.mask.shape).encode() + prompt.mask.tobytes()
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
+def _fields(prompt, config, extra=()):
+    """(name, bytes) of everything every rank must agree on before the first step. ``prompt`` None: a
+    rank that refused its own input, which still sends one (empty) value per field."""
+    yield "input_ids", b"" if prompt is None else repr(prompt.ids.shape).encode() + prompt.ids.tobytes()
+    yield "attention_mask", b"" if prompt is None else repr(prompt.mask.shape).encode() + prompt.mask.tobytes()
+    for field in dataclasses.fields(config if config is not None else GenerationConfig):
+        value = None if config is None else getattr(config, field.name)
         if field.name in ("logits_processor", "stopping_criteria"):
             value = _callables(value)
         yield field.name, repr(value).encode()
+    for name, data in extra:
+        yield name, data
 
 
-def _fingerprint(prompt, config):
-    """(field names, (1, 2 * fields) float32): each field's 32-bit digest as two 16-bit words (exact
-    in float32, which every collective carries)."""
-    names, words = [], []
-    for name, data in _fields(prompt, config):
+def _fingerprint(prompt, config, extra=(), failed=False):
+    """(field names, (1, 1 + 2 * fields) float32): a refused-input flag, then each field's 32-bit digest
+    as two 16-bit words (exact in float32, which every collective carries)."""
+    names, words = [], [np.array([1 if failed else 0], dtype=np.uint16)]
+    for name, data in _fields(prompt, config, extra):
         names.append(name)
         words.append(np.frombuffer(hashlib.sha256(data).digest()[:4], dtype=np.uint16))
     return names, np.concatenate(words).astype(np.float32)[None, :]
 
 
-def check_consistent_inputs(ops, model, prompt, config) -> None:
+def check_consistent_inputs(ops, model, prompt, config, *, extra=(), error=None, caller="generate()") -> None:
+    """Every rank of ``model``'s model-parallel group has the same inputs and config, or every rank
+    raises a ``ValueError`` naming the fields and ranks (one small all-gather; nothing when the model
+    is not split). ``extra``: more (name, bytes) fields, the same names on every rank.
+
+    ``error``: this rank refused its own input before the exchange (``prompt`` / ``config`` may then be
+    None); it still joins the all-gather, so the others raise a ``ValueError`` naming it instead of
+    waiting for it in a collective, and re-raises ``error``."""
     group, size = parallel_group(ops, model)
     if size == 1:
+        if error is not None:
+            raise error
         return
-    names, mine = _fingerprint(prompt, config)
+    names, mine = _fingerprint(prompt, config, extra, failed=error is not None)
     everyone = ops.to_numpy(ops.all_gather(ops.asarray(mine, "float32"), axis=0, group=group))
-    per_field = everyone.reshape(everyone.shape[0], len(names), 2)
+    refused = [int(r) for r in np.flatnonzero(everyone[:, 0])]
+    if error is not None:
+        raise error
+    if refused:
+        raise ValueError(
+            f"{caller} refused the input of rank(s) {refused} of the {size}-rank model group before any forward "
+            "(that rank raised why), so every rank stops"
+        )
+    per_field = everyone[:, 1:].reshape(everyone.shape[0], len(names), 2)
     differs = (per_field != per_field[:1]).any(axis=2)  # (ranks, fields) against rank 0
     if differs.any():
         fields = [name for i, name in enumerate(names) if differs[:, i].any()]
         ranks = [r for r in range(differs.shape[0]) if differs[r].any()]
         raise ValueError(
-            f"generate() was called with different {', '.join(fields)} on rank(s) {ranks} than on rank 0 of the "
+            f"{caller} was called with different {', '.join(fields)} on rank(s) {ranks} than on rank 0 of the "
             f"{size}-rank model group; every rank must get the same inputs and config (logits_processor and "
             "stopping_criteria: the same number of the same callables)"
         )

@@ -43,8 +43,9 @@ class RankFailed(ValueError):
 class StepSync:
     """The per-call collectives of a step-synced ``generate`` (see the module docstring)."""
 
-    def __init__(self, ops, leader_rank: int):
+    def __init__(self, ops, leader_rank: int, caller: str = "generate()", before: str = "before generating"):
         self.ops = ops
+        self.caller, self.before = caller, before  # what the messages name: "generate()", "score()"
         self.rank = ops.rank()
         self.size = ops.world_size()
         self.leader_rank = leader_rank
@@ -61,7 +62,7 @@ class StepSync:
         table = table.reshape(self.size, _START_FIELDS)
         failed = [int(r) for r in np.flatnonzero(table[:, 0])]
         if failed:
-            self._raise_for(failed, error, "before generating")
+            self._raise_for(failed, error, self.before)
         leaders = np.arange(self.size) == table[:, 2]  # ranks that lead their model group
         before = leaders & (table[:, 2] < self.leader_rank)
         self.row_offset = int(table[before, 1].sum())
@@ -69,7 +70,7 @@ class StepSync:
     def agree(self, error: Optional[BaseException]) -> None:
         """One more exchange before the first forward (after the model group compared its inputs):
         raise everywhere if any rank failed."""
-        self._exchange(running=False, failed=error is not None, error=error, when="before generating")
+        self._exchange(running=False, failed=error is not None, error=error, when=self.before)
 
     def step(self, running: bool) -> bool:
         """After a step: True when every rank's rows are finished. Raises when a rank reported failure."""
@@ -107,6 +108,6 @@ class StepSync:
         if error is not None:
             raise error
         raise RankFailed(
-            f"generate() failed on rank {source} {when} (rank(s) {failed} of {self.size} in this step-synced "
-            f"generate), so every rank stops: {text}"
+            f"{self.caller} failed on rank {source} {when} (rank(s) {failed} of {self.size} in this step-synced "
+            f"{self.caller.rstrip('()')}), so every rank stops: {text}"
         )

@@ -1,5 +1,8 @@
 """``POST /v1/chat/completions``: the messages through the checkpoint's chat template, n replies,
-whole or streamed (each choice's first chunk carries ``role: "assistant"``, as OpenAI's do)."""
+whole or streamed (each choice's first chunk carries ``role: "assistant"``, as OpenAI's do).
+
+vLLM's ``prompt_logprobs=k`` (not with ``stream``): the templated prompt's logprobs, once per
+response at its top level (completions puts them on every choice), in the same format."""
 
 from __future__ import annotations
 
@@ -70,7 +73,13 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         )
         for i in range(request.n)
     ]
-    return ChatCompletionResponse(**head, choices=choices, usage=_usage(len(ids), generated))
+    prompt_logprobs = None
+    if request.prompt_logprobs is not None:
+        found = requests.streams[0].result(timeout=5).prompt_logprobs  # the stream has ended: no wait
+        prompt_logprobs = None if found is None else state.tokens.prompt(found)
+    return ChatCompletionResponse(
+        **head, choices=choices, usage=_usage(len(ids), generated), prompt_logprobs=prompt_logprobs
+    )
 
 
 async def _events(state, request, requests, head, prompt_tokens):

@@ -81,8 +81,8 @@ def _check_unsupported(request) -> None:
             raise bad_value("suffix", "suffix is not supported")
         if request.best_of not in (None, request.n):
             raise bad_value("best_of", f"best_of must equal n ({request.n}) when given, got {request.best_of}")
-        if request.prompt_logprobs is not None and request.stream:
-            raise bad_value("prompt_logprobs", "prompt_logprobs is not available with stream: true (as in vLLM)")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_value("prompt_logprobs", "prompt_logprobs is not available with stream: true (as in vLLM)")
 
 
 def field_named(message: str, fields) -> str:
@@ -110,11 +110,10 @@ def sampling_params(request, max_tokens: int, context=None) -> SamplingParams:
             params["logprobs"] = request.top_logprobs or 0
         names["logprobs"] = "top_logprobs"
         names["max_tokens"] = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    else:
-        if request.logprobs is not None:
-            params["logprobs"] = request.logprobs
-        if request.prompt_logprobs is not None:
-            params["prompt_logprobs"] = request.prompt_logprobs
+    elif request.logprobs is not None:
+        params["logprobs"] = request.logprobs
+    if request.prompt_logprobs is not None:
+        params["prompt_logprobs"] = request.prompt_logprobs
     try:
         return SamplingParams(**params)
     except (TypeError, ValueError) as exc:

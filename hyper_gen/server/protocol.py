@@ -81,6 +81,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)  # vLLM's extra, of the templated prompt (not with stream)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -160,6 +161,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: List[ChatChoice]
     usage: Optional[Usage] = None
+    # vLLM's, at the top level (one prompt per request): as CompletionChoice.prompt_logprobs, of the templated prompt
+    prompt_logprobs: Optional[List[Optional[Dict[str, PromptLogprob]]]] = None
 
 
 class DeltaMessage(BaseModel):
