@@ -10,17 +10,37 @@ has no thread to wait for: the calling thread settles the tickets itself, holdin
 it never runs inside a step. Either way the rows that end leave at the next plan, and a pause is the
 plan's ``hold`` flag: both travel in the plan rank 0 shares, so every rank of a tensor-parallel
 engine drops and holds the same rows.
+
+A weight update on a multi-rank engine is a collective: every rank holds its own slices of the
+weights, so every rank's trainer calls ``update_weights`` with the full tensors, and each rank
+checks them in its calling thread and stages them (rank 0 as a queued ticket, the others in
+``_staged``). Rank 0 names the update in one step plan (its version and tensor names); at that
+boundary every rank takes its staged call, converts (the port's load code slices its part), and
+the ranks agree through one all-gather of a status word (waiting / converted / failed) before any
+writes: all of them write, or none does and every rank's call raises the same ValueError naming
+the rank that failed and why. A rank whose trainer has not called yet reports "waiting" every
+heartbeat, so no collective waits past the heartbeat, and gives up after ``update_timeout_s``.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+import time
+import warnings
 from collections import deque
 from typing import List, Optional
+
+import numpy as np
+
+from ..parallel.launcher import broadcast_text
+from .plan import StepPlan, share_plan
 
 ALL = object()  # a Control's target: every unfinished request
 PAUSE_MODES = ("abort", "keep")
 _SETTLE_POLL_S = 0.25
+_WAITING, _READY, _FAILED = 0, 1, 2  # a rank's word in a multi-rank update's agreement
+_MISSED_KEPT = 16  # a follower remembers this many updates it missed (its late call then raises)
 
 
 class Control:
@@ -30,7 +50,11 @@ class Control:
     engine's paused state, None to leave it; ``update``: a checked ``WeightUpdate`` to apply, and
     ``version`` the ``weight_version`` outputs carry from then on. The engine fills ``requests``
     (those it aborted, in submission order) and ``outputs`` (their ``RequestOutput``s), or
-    ``error``, then sets ``done``."""
+    ``error``, then sets ``done``.
+
+    A multi-rank update (``collective``) also carries what this rank's check found (``update``, or
+    ``check_error``: the other ranks must still hear of it), the version as text and the sorted
+    tensor names, which every rank compares with rank 0's; ``taken`` once a step boundary holds it."""
 
     def __init__(self, target=None, pause: Optional[bool] = None, update=None, version=None):
         self.target = target
@@ -40,6 +64,20 @@ class Control:
         self.outputs: list = []
         self.error: Optional[BaseException] = None
         self.done = threading.Event()
+        self.collective = False
+        self.check_error: Optional[BaseException] = None
+        self.version_key: str = ""
+        self.names: Optional[list] = None
+        self.taken = False
+
+
+def version_key(version) -> str:
+    """``version`` as text, the same on every rank for the same value (ranks compare it)."""
+    return json.dumps(version, sort_keys=True, default=repr)
+
+
+def _describe(error: BaseException) -> str:
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
 class RecentIds:
@@ -115,18 +153,51 @@ class EngineControl:
         semantics: the cache they built keeps the old weights' keys and values); ``pause(mode="keep")``
         first and ``resume()`` after to apply it between rollouts instead. The tensors are checked in
         the calling thread (a ValueError / TypeError naming the tensor, nothing queued), converted and
-        written between two steps; an error there raises here and changes nothing."""
-        if self.world_size > 1:
-            raise NotImplementedError(
-                "update_weights on a multi-rank engine: update the model on every rank while paused"
-            )
+        written between two steps; an error there raises here and changes nothing.
+
+        On a multi-rank (tensor-parallel) engine this is a collective, like a torch.distributed call:
+        call it on every rank, in the same order, with the same ``version`` and the same tensor names
+        (the full HF-named tensors on each rank; a DTensor is made whole), on rank 0 from another
+        thread than the engine's, elsewhere from another thread than the one in ``run_follower``.
+        Each rank holds only its own slices, so each checks its tensors here and, at the step
+        boundary rank 0's plan names, cuts its part with the port's load code; the ranks then agree
+        (one small all-gather) that every one of them converted before any writes, because a write
+        on some ranks only would leave a model that no checkpoint describes. So the update lands on
+        every rank or on none: a bad tensor, a failed conversion, or a version or set of names that
+        differs from rank 0's, on any rank, is a ValueError on every rank naming the rank and its
+        error (a check error too: the other ranks must hear of it), and the model keeps its weights.
+        No wait is unbounded: a rank waits ``engine.update_timeout_s`` seconds (the collective
+        timeout, ``$HYPER_GEN_TIMEOUT_S``, else 600) for its peers' calls, heartbeating meanwhile so
+        no collective waits past the heartbeat. If a follower's trainer never calls, every rank's
+        call raises a ValueError naming that rank and the follower warns (RuntimeWarning; its late
+        call with that version raises the same error); a follower's call that rank 0 never applies
+        raises TimeoutError."""
         source = getattr(self.model, "weight_source", None)  # hyper_gen.models.weight_update.WeightSource
         if source is None:
             raise ValueError(
                 f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(self.model).__name__}"
             )
+        if self.world_size > 1:
+            return self._collective_update(source, weights, version)
         update = source.check(self.model, weights)
         return self._control(Control(update=update, version=version)).outputs
+
+    def _collective_update(self, source, weights, version) -> int:
+        ticket = Control(version=version)
+        ticket.collective, ticket.version_key = True, version_key(version)
+        if self.rank != 0:
+            with self._cond:
+                missed = self._missed.pop(ticket.version_key, None)
+            if missed is not None:  # the late call of an update the ranks already gave up on
+                raise ValueError(missed)
+        try:
+            ticket.update = source.check(self.model, weights)
+            ticket.names = sorted(ticket.update.arrays)
+        except Exception as error:  # staged all the same: every rank raises it at the boundary
+            ticket.check_error = error
+        if self.rank == 0:
+            return self._control(ticket).outputs
+        return self._stage(ticket).outputs
 
     @property
     def weight_version(self):
@@ -153,9 +224,12 @@ class EngineControl:
             self._cond.notify_all()
         if self._thread is None:  # stepped by the caller: settle here, between two steps
             with self._step_lock:
-                with self._cond:
-                    aborted, tickets = self._take_controls()
-                self._settle(aborted, tickets)
+                while not ticket.done.is_set():
+                    with self._cond:
+                        aborted, tickets = self._take_controls()
+                    self._settle(aborted, tickets)
+                    if not self._share_update_plan():  # (multi-rank: an update travels in a plan)
+                        break
         while not ticket.done.wait(_SETTLE_POLL_S):
             if self._state in ("dead", "stopped"):
                 with self._cond:
@@ -165,12 +239,54 @@ class EngineControl:
             raise ticket.error
         return ticket
 
+    def _stage(self, ticket: Control) -> Control:
+        """A follower's update_weights: staged for the step boundary rank 0's plan names, then waited for."""
+        with self._cond:
+            if self._following == "stopped":
+                raise RuntimeError(
+                    f"rank {self.rank}'s engine was shut down (run_follower returned): update_weights needs a "
+                    "running engine"
+                )
+            if self._loop_ident == threading.get_ident():
+                raise RuntimeError(
+                    "update_weights waits for a step boundary: call it from another thread than the one "
+                    "running run_follower"
+                )
+            self._staged.append(ticket)
+            self._cond.notify_all()
+        start = time.monotonic()
+        while not ticket.done.wait(_SETTLE_POLL_S):
+            with self._cond:
+                if ticket.taken or time.monotonic() - start < self.update_timeout_s:
+                    continue
+                self._staged.remove(ticket)
+            raise TimeoutError(
+                f"update_weights(version={ticket.version_key}) on rank {self.rank}: rank 0 applied no update "
+                f"within {self.update_timeout_s:g} s (engine.update_timeout_s); call update_weights on every rank"
+            )
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket
+
     # ---- settling (the engine thread, or the caller holding the step lock) ----------------------
     def _take_controls(self):
         """(requests to abort, tickets) from the queued tickets, in the order they came; sets the
         paused state and takes the queued requests it aborts out of the queue (lock held). The
-        aborted requests' rows are the caller's to drop."""
-        tickets, self._controls = self._controls, []
+        aborted requests' rows are the caller's to drop. A multi-rank update is taken alone, for
+        the next plan (``_update_spec``); later ones wait in the queue for the plans after."""
+        queued, self._controls = self._controls, []
+        tickets = []
+        for ticket in queued:
+            if ticket.collective:
+                if self._state != "running":
+                    ticket.error = RuntimeError("the engine was shut down before update_weights was applied")
+                elif self._update_ticket is None:
+                    self._update_ticket = ticket
+                    continue
+                else:
+                    self._controls.append(ticket)
+                    continue
+            tickets.append(ticket)
         aborted: List = []
         for ticket in tickets:
             if ticket.target is not None:
@@ -199,6 +315,9 @@ class EngineControl:
         for request in aborted:
             self._abort(request)
         for ticket in tickets:
+            if ticket.collective:  # refused before any plan named it (shutdown): the error is set
+                ticket.done.set()
+                continue
             if ticket.update is not None:
                 try:  # all or nothing: conversion errors come before any write
                     ticket.outputs = ticket.update.apply()
@@ -213,8 +332,145 @@ class EngineControl:
     def _fail_controls(self, error: BaseException) -> None:
         with self._cond:
             tickets, self._controls = self._controls, []
+            if self._update_ticket is not None:
+                tickets.append(self._update_ticket)
+                self._update_ticket = None
         for ticket in tickets:
-            ticket.error = error
+            if not ticket.done.is_set():
+                ticket.error = error
+                ticket.done.set()
+
+    # ---- a multi-rank update (every rank, at the boundary a plan names) -------------------------
+    def _update_spec(self) -> Optional[dict]:
+        """What the next plan says of the update taken for it, once (rank 0, lock held)."""
+        ticket = self._update_ticket
+        if ticket is None or ticket.taken:
+            return None
+        ticket.taken = True
+        return {"version": ticket.version_key, "names": ticket.names}
+
+    def _share_update_plan(self) -> bool:
+        """A caller-stepped multi-rank engine: the taken update in a plan of its own (a held step:
+        nothing decodes), shared and run here; False when there is none."""
+        if self.world_size == 1:
+            return False
+        with self._cond:
+            spec = self._update_spec()
+            if spec is None:
+                return False
+            plan = StepPlan(drops=self._take_drops([]), hold=True, update=spec)
+        try:
+            share_plan(self.ops, plan)
+            with self.ops.no_grad():
+                self._execute(plan)
+        except BaseException as error:
+            self._die(error)
+            raise
+        return True
+
+    def _apply_update(self, spec: dict) -> None:
+        """Every rank, at the boundary the plan names: take this rank's call (a follower waits for it,
+        telling the others every heartbeat), convert, agree, then all write or none does."""
+        ticket = self._update_ticket if self.rank == 0 else None
+        word, message, commit, missed = _WAITING, "", None, False
+        start = time.monotonic()
+        try:
+            while True:
+                if word == _WAITING:
+                    ticket = ticket or self._take_staged()
+                    if ticket is not None:
+                        word, message, commit = self._convert(ticket, spec)
+                    elif time.monotonic() - start >= self.update_timeout_s:
+                        word, missed = _FAILED, True
+                        message = (
+                            f"update_weights was not called on rank {self.rank} within {self.update_timeout_s:g} s "
+                            "(engine.update_timeout_s) of the step boundary rank 0 chose for it"
+                        )
+                words = self._gather_words(word)
+                if _WAITING not in words:
+                    break
+            failed = [r for r, w in enumerate(words) if w == _FAILED]
+            if failed:  # every rank learns each failed rank's message (the failure path only)
+                told = [broadcast_text(self.ops, message if r == self.rank else None, src=r) for r in failed]
+                reasons = "; ".join(f"rank {r}: {m}" for r, m in zip(failed, told))
+                error = ValueError(
+                    f"update_weights(version={spec['version']}) failed on {reasons}; no rank wrote its weights "
+                    "(the model is unchanged)"
+                )
+                if ticket is not None:
+                    error.__cause__ = ticket.check_error
+                    ticket.error = error
+                if missed:
+                    self._miss(spec["version"], str(error))
+                return
+            count = commit()
+            self._weight_version = ticket.version
+            ticket.outputs = count
+        except BaseException as error:
+            if ticket is not None and ticket.error is None:
+                ticket.error = error
+            raise
+        finally:
+            if ticket is not None:
+                ticket.done.set()
+            if self.rank == 0:
+                with self._cond:
+                    self._update_ticket = None
+
+    def _take_staged(self) -> Optional[Control]:
+        """A follower's oldest staged call, waited for up to one heartbeat (None: none came)."""
+        until = time.monotonic() + self._heartbeat_s
+        with self._cond:
+            while not self._staged:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            ticket = self._staged.pop(0)
+            ticket.taken = True
+            return ticket
+
+    def _convert(self, ticket: Control, spec: dict):
+        """(word, message, write): this rank's conversion, nothing written."""
+        if ticket.check_error is not None:
+            return _FAILED, _describe(ticket.check_error), None
+        if ticket.version_key != spec["version"]:
+            return _FAILED, f"version={ticket.version_key} differs from rank 0's version={spec['version']}", None
+        if spec["names"] is not None and ticket.names != spec["names"]:
+            mine, theirs = set(ticket.names), set(spec["names"])
+            parts = [f"{label}: {sorted(names)[:3]}" for label, names in (
+                ("rank 0 sends, this rank does not", theirs - mine),
+                ("this rank sends, rank 0 does not", mine - theirs),
+            ) if names]  # fmt: skip
+            return _FAILED, f"its tensor names differ from rank 0's ({'; '.join(parts)})", None
+        try:
+            return _READY, "", ticket.update.prepare()
+        except Exception as error:
+            ticket.check_error = error
+            return _FAILED, _describe(error), None
+
+    def _gather_words(self, word: int) -> List[int]:
+        gathered = self.ops.all_gather(self.ops.asarray(np.asarray([word], np.int32), "int32"), 0)
+        return [int(w) for w in self.ops.to_numpy(gathered).reshape(-1)]
+
+    def _miss(self, key: str, message: str) -> None:
+        """A follower whose trainer never called: remember it (its late call raises) and say so now."""
+        with self._cond:
+            self._missed[key] = message
+            while len(self._missed) > _MISSED_KEPT:
+                self._missed.pop(next(iter(self._missed)))
+        warnings.warn(f"rank {self.rank}: {message}", RuntimeWarning, stacklevel=2)
+
+    def _end_following(self, error: Optional[BaseException] = None) -> None:
+        """run_follower returned (rank 0 shut down, or a collective failed): staged calls fail."""
+        with self._cond:
+            self._following = "stopped"
+            staged, self._staged = self._staged, []
+        for ticket in staged:
+            ticket.error = RuntimeError(
+                f"rank {self.rank}'s engine stopped before update_weights was applied"
+                + (f": {error!r}" if error is not None else " (rank 0 shut it down)")
+            )
             ticket.done.set()
 
 

@@ -17,6 +17,9 @@ A request therefore joins at the next step and leaves the step after it finishes
 is never drained to let anyone in. Rows leave only at step 1, by the plan, so a multi-rank
 engine (rank 0 broadcasts the plan; the other ranks run ``run_follower``) keeps the same rows on
 every rank: what only rank 0 can know (text, stop strings, cancels) reaches the others there.
+A weight update is the one control that every rank's own caller makes (each rank holds its own
+slices of the weights): the plan names it, and every rank applies it at that step boundary,
+after the drops and before the step's forwards (control.py).
 
 Failure stays with whom it belongs to: a request the engine cannot take is a ``ValueError`` /
 ``TypeError`` from ``submit``, before it is queued; a prefill that raises fails the requests
@@ -92,7 +95,9 @@ def _positive_int(name, value):
 
 class Engine(EngineControl):
     """In-flight batching engine over one model (see the module docstring); ``abort_all``, ``abort``,
-    ``pause`` and ``resume`` (control.py) end or hold requests at a step boundary.
+    ``pause`` and ``resume`` (control.py) end or hold requests at a step boundary, and
+    ``update_weights`` writes new weights at one (on a multi-rank engine a collective: every rank
+    calls it, since every rank holds its own slices; ``update_timeout_s`` bounds the wait for them).
 
     ``tokenizer``: any HF tokenizer, for chunk text and stop strings (None: ids only).
     ``max_batch_size``: rows (choices) decoded together. ``max_model_len``: positions a request may
@@ -138,6 +143,8 @@ class Engine(EngineControl):
         self.world_size = size
         self.rank = self.ops.rank(group) if size > 1 else 0
         self._heartbeat_s = heartbeat_s(collective_timeout_s())
+        # multi-rank update_weights: how long a rank waits for its peers' calls (control.py)
+        self.update_timeout_s = collective_timeout_s() or 600.0
         self._batch = RaggedBatch(model, self.ops, self.ops.param_dtype(model))
         self._cond = threading.Condition()  # guards everything below that other threads touch
         self._waiting: deque = deque()  # rank 0: submitted, not admitted
@@ -147,6 +154,10 @@ class Engine(EngineControl):
         self._controls: List[Control] = []  # rank 0: abort / pause / resume tickets for the next plan
         self._paused = False  # rank 0: plans hold the batch (no forward, no admission)
         self._weight_version = None  # the last update_weights' version (control.py), on every output
+        self._update_ticket: Optional[Control] = None  # rank 0: the multi-rank update of the next plan
+        self._staged: List[Control] = []  # other ranks: update_weights calls waiting for a plan's boundary
+        self._missed: dict = {}  # other ranks: updates whose call never came -> the error (a late call raises)
+        self._following: Optional[str] = None  # other ranks: "running" in run_follower, then "stopped"
         self._ended = RecentIds()  # rank 0: ids of requests that ended, for abort(id)
         self._step_lock = threading.RLock()  # held by step(): a caller-driven engine's step boundary
         self._loop_ident: Optional[int] = None  # the thread running steps (control calls must not wait on it)
@@ -396,7 +407,9 @@ class Engine(EngineControl):
 
     def _idle(self, plan: StepPlan) -> bool:
         """Whether running ``plan`` would change nothing: no row joins or leaves and none decodes."""
-        return not (plan.admissions or plan.drops or plan.shutdown) and (plan.hold or not len(self._batch))
+        return not (plan.admissions or plan.drops or plan.shutdown or plan.update) and (
+            plan.hold or not len(self._batch)
+        )
 
     def _shutdown_plan(self):
         """The last plan: every request still queued or running ends (lock held)."""
@@ -427,7 +440,7 @@ class Engine(EngineControl):
         cancelled += aborted
         drops = self._take_drops([r for r in cancelled if r.choices])
         if self._paused:
-            return StepPlan(drops=drops, hold=True), cancelled, tickets
+            return StepPlan(drops=drops, hold=True, update=self._update_spec()), cancelled, tickets
         admissions = []
         free = self.max_batch_size - len(self._batch) + sum(1 for d in drops if self._in_batch(d))
         wanted = sum(r.params.n for r in itertools.islice(self._waiting, self.admit_batch))
@@ -445,7 +458,7 @@ class Engine(EngineControl):
             admissions.append(
                 Admission(request.serial, request.request_id, request.prompt, request.params, request.noise_seed)
             )
-        return StepPlan(admissions, drops), cancelled, tickets
+        return StepPlan(admissions, drops, update=self._update_spec()), cancelled, tickets
 
     def _in_batch(self, key) -> bool:
         return any(row.key == key for row in self._batch.rows)
@@ -472,12 +485,19 @@ class Engine(EngineControl):
         """Ranks other than 0 of a multi-rank model: run rank 0's steps until it shuts down."""
         if self.rank == 0:
             raise RuntimeError("rank 0 runs engine.start(); run_follower is for the other ranks")
-        with self.ops.no_grad():
-            while True:
-                plan = share_plan(self.ops)
-                self._execute(plan)
-                if plan.shutdown:
-                    return
+        with self._cond:
+            self._following, self._loop_ident = "running", threading.get_ident()
+        try:
+            with self.ops.no_grad():
+                while True:
+                    plan = share_plan(self.ops)
+                    self._execute(plan)
+                    if plan.shutdown:
+                        break
+        except BaseException as error:
+            self._end_following(error)
+            raise
+        self._end_following()
 
     # ---- one step (every rank) -----------------------------------------------------------
     def _execute(self, plan: StepPlan) -> None:
@@ -486,6 +506,8 @@ class Engine(EngineControl):
                 gone = set(map(tuple, plan.drops))
                 self._batch.drop([i for i, row in enumerate(self._batch.rows) if row.key not in gone])
                 self._forget(gone)
+            if plan.update is not None:  # a multi-rank update_weights: every rank, here
+                self._apply_update(plan.update)
             if plan.shutdown:
                 self._batch.clear()
                 return

@@ -5,8 +5,10 @@ run the same forwards on the same rows. Rank 0 owns the request queue, so each s
 down what only it knows: the requests admitted (prompt, settings, the noise seed of a
 ``seed=None`` request), the rows it ended on its own (a stop string found in the text, a cancel,
 an abort), whether the engine is paused (``hold``: no forward this step, the rows keep their
-cache) and whether to shut down. Everything else (tokens, EOS, ``max_tokens``) follows from the
-gathered logits, which are the same on every rank. The plan travels as UTF-8 JSON through
+cache), a weight update to apply (``update``: its version and tensor names, which every rank
+checks against its own ``update_weights`` call; control.py) and whether to shut down.
+Everything else (tokens, EOS, ``max_tokens``) follows from the gathered logits, which are the
+same on every rank. The plan travels as UTF-8 JSON through
 ``broadcast_text`` (int32 broadcasts, which every backend has); an empty plan is one 4-byte
 broadcast, so a decode step adds one small collective. While rank 0 has nothing to do it sends
 an empty plan every heartbeat, so the others never wait in one collective past the timeout.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from ..parallel.launcher import broadcast_text
 from .params import SamplingParams
@@ -37,10 +39,11 @@ class StepPlan:
     drops: List[Tuple[int, int]] = field(default_factory=list)  # (request serial, choice index)
     shutdown: bool = False
     hold: bool = False  # paused: drop what ``drops`` names, then run nothing
+    update: Optional[dict] = None  # {"version": key, "names": [...] or None}: apply update_weights here
 
     @property
     def empty(self) -> bool:
-        return not (self.admissions or self.drops or self.shutdown or self.hold)
+        return not (self.admissions or self.drops or self.shutdown or self.hold or self.update)
 
     def encode(self) -> str:
         if self.empty:
@@ -53,6 +56,7 @@ class StepPlan:
                 "drop": [list(d) for d in self.drops],
                 "shutdown": self.shutdown,
                 "hold": self.hold,
+                "update": self.update,
             }
         )
 
@@ -67,7 +71,8 @@ class StepPlan:
             Admission(serial, request_id, prompt, SamplingParams(**params), int(seed))
             for serial, request_id, prompt, params, seed in data["admit"]
         ]
-        return cls(admissions, [tuple(d) for d in data["drop"]], bool(data["shutdown"]), bool(data.get("hold")))
+        drops = [tuple(d) for d in data["drop"]]
+        return cls(admissions, drops, bool(data["shutdown"]), bool(data.get("hold")), data.get("update"))
 
 
 def share_plan(ops, plan: StepPlan = None) -> StepPlan:

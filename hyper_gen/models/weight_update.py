@@ -133,18 +133,28 @@ def to_numpy(name: str, tensor) -> np.ndarray:
 
 class WeightUpdate:
     """Checked tensors for one model (``check``); ``apply()`` converts them with the port's load code
-    and writes them (all or nothing), returning how many tensors were applied."""
+    and writes them (all or nothing), returning how many tensors were applied. ``prepare()`` is the
+    first half alone: every conversion, nothing written; it returns the write (``apply() ==
+    prepare()()``), so a multi-rank engine can convert on every rank, agree that all ranks did, and
+    only then write."""
 
     def __init__(self, model, source: "WeightSource", arrays: Dict[str, np.ndarray]):
         self.model, self.source, self.arrays = model, source, arrays
 
-    def apply(self) -> int:
+    def prepare(self):
         overlay = UpdateSource(self.source.checkpoint, self.arrays, self.source.updated)
         port = importlib.import_module(type(self.model).__module__)
         write = port.prepare_update(self.model, overlay, set(self.arrays))  # every conversion, nothing written
-        write()
-        self.source.updated.update(self.arrays)
-        return len(self.arrays)
+
+        def commit() -> int:
+            write()
+            self.source.updated.update(self.arrays)
+            return len(self.arrays)
+
+        return commit
+
+    def apply(self) -> int:
+        return self.prepare()()
 
 
 class WeightSource:
