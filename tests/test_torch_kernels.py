@@ -4,19 +4,23 @@ model's plan (recorded, pinned, never changed after load), a weight changed in p
 again, and a model whose projections all run one kernel generates what HF does."""
 
 import gc
+import glob
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 from hf_greedy import assert_generates_what_hf_does
 from qwen_checkpoints import TINY_TEXT_CONFIG, make_checkpoint
+from safetensors.numpy import load_file
 
 from hyper_gen.backends.torch import kernels as K
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
 from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.models.loading import load_model
+from hyper_gen.models.weight_update import update_weights
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +131,7 @@ def test_each_kernel_projects_what_x_at_w_gives_and_keeps_its_layout():
     for kernel in ("plain", "blocked:32", "onednn"):
         kernels = planned(kernel)
         w = kernels.layout(w_t)
-        assert w.t().is_contiguous() == (kernel == "blocked:32")
+        assert w.t().is_contiguous() == (kernel != "plain")  # blocks and oneDNN read the (out, in) memory
         torch.testing.assert_close(kernels.project(x, w), x @ w, rtol=1e-5, atol=1e-5)
     onednn = planned("onednn")
     torch.testing.assert_close(onednn.project(x.double(), w_t.double()), x.double() @ w_t.double())  # float64: plain
@@ -201,6 +205,32 @@ def test_a_model_whose_projections_all_run_one_kernel_generates_what_hf_does(tmp
     shapes = set(model.kernel_plan.choices)
     assert {"matmul 32x192 float32", "matmul 64x32 float32", "matmul 48x32 float32"} <= shapes  # q|k|v, o, down
     assert all(v in (kernel, "plain") for v in model.kernel_plan.choices.values())
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kernel", ["blocked:16", "onednn"])
+def test_update_weights_reaches_every_kernel(tmp_path, monkeypatch, kernel, kind):
+    """A full update after a generate (the oneDNN copies packed from the old weights) gives bitwise
+    the logits of a fresh load of the new checkpoint: the write bumps each weight's version, so the
+    packed copies are remade (a write through ``.data`` would not, and the model would project with
+    the old weights); fused projections are written piece by piece into their columns."""
+    forced(monkeypatch, kernel)
+    old, new = make_checkpoint(tmp_path, kind), make_checkpoint(tmp_path, kind, seed=1)
+    ids = torch.from_numpy(np.random.default_rng(4).integers(3, TINY_TEXT_CONFIG["vocab_size"], (2, 9)))
+    config = GenerationConfig(max_new_tokens=4, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    model = load_model(old, backend="torch", dtype="float32")
+    before = generate(model, ids, config)
+    tensors = {}
+    for name in sorted(glob.glob(os.path.join(new, "*.safetensors"))):
+        tensors.update(load_file(name))
+    assert update_weights(model, {k: torch.from_numpy(v) for k, v in tensors.items()}) == len(tensors)
+    after, fresh = (
+        generate(model, ids, config),
+        generate(load_model(new, backend="torch", dtype="float32"), ids, config),
+    )
+    assert all(torch.equal(x, y) for x, y in zip(after.logits, fresh.logits))
+    assert not all(torch.equal(x, y) for x, y in zip(after.logits, before.logits))
+    assert set(model.kernel_plan.choices.values()) <= {kernel, "plain"} and kernel in model.kernel_plan.choices.values()
 
 
 def test_the_plan_is_recorded_once_and_a_saved_plan_pins_the_same_logits(tmp_path, monkeypatch):

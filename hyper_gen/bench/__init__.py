@@ -14,8 +14,10 @@
 - ``serve``: the HTTP server under 1 / 8 / 32 concurrent streaming clients (tokens/s, time to
   first token p50 / p99) vs the same requests as sequential ``generate`` calls and one batch.
 - ``offline``: a JSONL job with in-flight batching vs fixed micro-batches, on mixed output lengths.
+- ``update``: ``update_weights`` with every tensor of a checkpoint vs ``load_model`` of it.
+- ``logprobs``: float32 rollout logprobs vs ``score()`` of the same tokens, against a float64 reference.
 
-Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline] ...`` (``loop`` when none is
+Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs] ...`` (``loop`` when none is
 named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command> --help`` explains every flag
 with its default. MindSpore's and transformers' own logs are errors only (``GLOG_v=3``, unless
 set), as in the rest of the CLI; ``-v`` shows them.
@@ -23,14 +25,20 @@ set), as in the rest of the CLI; ``-v`` shows them.
 
 from __future__ import annotations
 
-import os
 import sys
 
 from hyper_gen.jobs.logs import quiet_framework_logs
 
-from .arguments import HelpFormatter, OneLineParser, add_command, backend_list, kernels_spec, non_negative, positive
-
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench")
+from .arguments import (
+    CACHE_DIR,
+    HelpFormatter,
+    OneLineParser,
+    add_command,
+    backend_list,
+    kernels_spec,
+    non_negative,
+    positive,
+)
 
 
 def _shape_flags(parser, prompt_len: int, cache_dir: bool = True) -> None:
@@ -105,11 +113,15 @@ def build_parser() -> OneLineParser:
     rollout.add_argument("--repeats", type=positive, default=1, help="timed runs; the fastest is kept")
     rollout.add_argument("--threads", type=positive, default=1, help="torch threads per rank")
     rollout.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    from .logprobs import add_parser as add_logprobs_parser
     from .offline import add_parser as add_offline_parser
     from .serve import add_parser as add_serve_parser
+    from .update import add_parser as add_update_parser
 
     add_serve_parser(sub)
     add_offline_parser(sub)
+    add_update_parser(sub)
+    add_logprobs_parser(sub)
     return parser
 
 
@@ -127,6 +139,14 @@ def main(argv=None):
         from .serve import run_serve_bench
 
         run_serve_bench(args)
+    elif args.which == "logprobs":
+        from .logprobs import run_logprobs
+
+        run_logprobs(args)
+    elif args.which == "update":
+        from .update import run_update
+
+        run_update(args)
     elif args.which == "offline":
         from .offline import run_offline
 

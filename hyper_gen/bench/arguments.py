@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hyper_gen import kernel_plan
+
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench")  # random-weight checkpoints
 
 
 def positive(text: str) -> int:

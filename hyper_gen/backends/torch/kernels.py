@@ -192,9 +192,11 @@ class TorchKernels:
 
     def layout(self, w_t: torch.Tensor) -> torch.Tensor:
         """The stored form of a weight given as the (in, out) view of its (out, in) matrix: that view
-        (the (out, in) memory) for float64, which keeps HF's ``F.linear`` sums, and for column blocks,
-        which are cut from it; else (in, out)-contiguous, the layout MKL streams fastest."""
-        if w_t.dtype == torch.float64 or self.kernel_for(w_t).startswith("blocked:"):
+        (the (out, in) memory) for float64, which keeps HF's ``F.linear`` sums, for column blocks,
+        which are cut from it, and for oneDNN, which packs from it (so neither its packing nor an
+        ``update_weights`` of HF's (out, in) tensors transposes anything); (in, out)-contiguous for
+        ``plain``, the layout MKL streams fastest."""
+        if w_t.dtype == torch.float64 or self.kernel_for(w_t) != "plain":
             return w_t
         return w_t.contiguous()
 

@@ -456,18 +456,41 @@ def _state(w: _Weights, shard: ModelShard, wanted=lambda unit: True) -> dict:
     return dict(state)
 
 
+class _Pieces(tuple):
+    """A fused (in, out) matrix as its pieces' (in, out_k) views, in order: update_weights copies each
+    into its columns of the parameter instead of first concatenating a new matrix."""
+
+
+class _UpdateWeights(_Weights):
+    """update_weights' reads: views of the given tensors where they can be, a fused matrix as ``_Pieces``."""
+
+    def matrix(self, *pieces: Piece):
+        if len(pieces) == 1:
+            return super().matrix(*pieces)
+        return _Pieces(self.transposed(self.array(piece)) for piece in pieces)
+
+
 def prepare_update(model: Qwen3_5ForCausalLM, checkpoint, names):
-    """update_weights' conversion (``hyper_gen.models.weight_update``), views of the given tensors where
-    they can be, and its write: one copy into each parameter's own layout (the kernels remake a
-    oneDNN-packed copy at its next use: they track each weight's version)."""
-    w = _Weights(checkpoint, model.dtype, model.device, SimpleNamespace(layout=lambda w_t: w_t))
+    """update_weights' conversion (``hyper_gen.models.weight_update``) and its write: one copy of each
+    given tensor into its place in the parameter's own layout (the kernels remake a oneDNN-packed copy
+    at its next use: they track each weight's version)."""
+    w = _UpdateWeights(checkpoint, model.dtype, model.device, SimpleNamespace(layout=lambda w_t: w_t))
     state = _state(w, describe(checkpoint, model.config, model.tp_plan), lambda unit: touches(unit, names))
     params = model.state_dict(keep_vars=True)
-    return lambda: [_copy(params[key].data, value) for key, value in state.items()]
+    # detach(), not .data: a copy through .data would not bump the weight's version counter, and the
+    # kernels would keep projecting with the oneDNN copy packed from the old values
+    return lambda: [_copy(params[key].detach(), value) for key, value in state.items()]
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, block: int = 64) -> None:
-    """``dst.copy_(src)``; a transposing copy in blocks of ``block`` columns (3x faster on CPU)."""
+def _copy(dst: torch.Tensor, src, block: int = 64) -> None:
+    """``dst.copy_(src)`` (``_Pieces``: each into its columns); a transposing copy in blocks of ``block``
+    columns (3x faster on CPU)."""
+    if isinstance(src, _Pieces):
+        start = 0
+        for piece in src:
+            _copy(dst[..., start : start + piece.shape[-1]], piece, block)
+            start += piece.shape[-1]
+        return
     for j in range(0, src.shape[-1], block) if src.dim() > 1 and src.stride() != dst.stride() else [None]:
         (dst if j is None else dst[..., j : j + block]).copy_(src if j is None else src[..., j : j + block])
 
