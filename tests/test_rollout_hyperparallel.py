@@ -66,6 +66,15 @@ def test_n_samples_with_logprobs(job):
 
 
 @pytest.mark.distributed
+def test_stop_strings_end_rows_as_one_process_does(job):
+    """A stop string one of rank 1's rows emits ends that row early while the others (and rank 0)
+    run on: the tokens of one process on the unsharded copy, on both ranks."""
+    assert _line(job, 0, "stop", "strings") == "OK lengths=[3, 3]"
+    verdict, lengths = _line(job, 1, "stop", "strings").split(" ", 1)
+    assert verdict == "OK" and lengths != "lengths=[6, 16, 16]", lengths  # a row ended at the stop string
+
+
+@pytest.mark.distributed
 def test_unshard_params_gathers_one_round_and_leaves_the_model_sharded(job):
     for rank in (0, 1):
         round_ = int(_line(job, rank, "allgathers", "forward").split("=")[1])

@@ -102,3 +102,17 @@ def catch(fn):
     except Exception as error:  # noqa: BLE001 - what every rank raised is the finding
         return type(error).__name__, (str(error).splitlines() or [""])[0], time.monotonic() - start, error
     return None, None, time.monotonic() - start, None
+
+
+class CharTokenizer:
+    """Just what ``stop_strings`` needs of an HF tokenizer, for the random-vocabulary models here:
+    token id i reads as the one character chr(0x100 + i)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) - 0x100 for c in text]}
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(0x100 + int(i)) for i in ids] if isinstance(ids, list) else chr(0x100 + int(ids))
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)

@@ -10,6 +10,8 @@ Prints ``rank R: <check> <label> ...`` lines:
   and False (a second sharded copy);
 - seeded sampling vs the unsharded copy running both ranks' prompts as one batch (the DP row offset);
 - n samples with logprobs;
+- stop strings: a string one of rank 1's rows emits ends that row there, the other rows and rank 0
+  run on, and every rank gets the tokens one process gets on the unsharded copy;
 - all-gathers (``all_gather_into_tensor`` calls) of one forward, of a generate call, and of one with
   ``unshard_params=True``; after it the parameters are HyperParallel DTensors again and every
   module's reshard-after-forward is back, also after a call that raised;
@@ -27,6 +29,7 @@ from hyper_parallel import SkipDTensorDispatch, init_device_mesh  # noqa: E402
 from hyper_parallel.core.fully_shard import fully_shard  # noqa: E402
 from rollout_common import (  # noqa: E402
     WIDTH,
+    CharTokenizer,
     build_model,
     catch,
     hf_generated,
@@ -119,6 +122,13 @@ ok = ours_generated(out, mask) == ours_generated(whole, whole_mask)[rows] and to
     out.logprobs, whole.logprobs[rows, :steps], atol=1e-5
 )
 say(rank, "samples", f"n={n}", f"{verdict(ok)} shape={tuple(out.logprobs.shape)}")
+
+tokenizer = CharTokenizer()
+stop = dict(stop_strings=tokenizer.convert_ids_to_tokens(int(probe[0, -3])), tokenizer=tokenizer, **common)
+expected_stop = ours_generated(generate(reference, ids, attention_mask=mask, max_new_tokens=cap, **stop), mask)
+out = generate(sharded, ids, attention_mask=mask, max_new_tokens=cap, **stop)
+got = ours_generated(out, mask)
+say(rank, "stop", "strings", f"{verdict(got == expected_stop)} lengths={[len(r) for r in got]}")
 
 calls = {"n": 0}
 original = dist.all_gather_into_tensor
