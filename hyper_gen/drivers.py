@@ -65,15 +65,19 @@ def _forward_of(model):
     return model
 
 
-def logits_of(output) -> Any:
-    """The logits of a forward's output (a mapping or an object with ``.logits``)."""
+def logits_of(output, ops) -> Any:
+    """The logits of a forward's output (a mapping or an object with ``.logits``), made whole first
+    when they come back as a distributed tensor: HyperParallel's DTensor refuses even the slice that
+    keeps the last position (it has no layout rule for ``__getitem__``)."""
     if isinstance(output, dict):
         if "logits" not in output:
             raise ValueError(f"model output must contain 'logits', got keys {sorted(output)}")
-        return output["logits"]
-    if hasattr(output, "logits"):
-        return output.logits
-    raise TypeError(f"model must return a mapping with 'logits' (RFC contract), got {type(output).__name__}")
+        logits = output["logits"]
+    elif hasattr(output, "logits"):
+        logits = output.logits
+    else:
+        raise TypeError(f"model must return a mapping with 'logits' (RFC contract), got {type(output).__name__}")
+    return ops.full_tensor(logits) if ops.is_distributed(logits) else logits
 
 
 def past_of(output) -> Any:
@@ -249,7 +253,8 @@ class ReturnedCacheDriver(_Driver):
         self.use_cache = self.config.use_cache and self.signature.accepts("past_key_values")
 
     def _call_full(self, ids, positions, mask, keep: int = 1):
-        return logits_of(self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=None))
+        output = self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=None)
+        return logits_of(output, self.ops)
 
     def prefill(self):
         prompt = self.prompt
@@ -261,7 +266,7 @@ class ReturnedCacheDriver(_Driver):
                 self.use_cache = False  # the model keeps no cache: recompute, as HF does
             else:
                 self.cache.update(past)
-        logits = self._expand(logits_of(output))
+        logits = self._expand(logits_of(output, self.ops))
         if self.use_cache and prompt.padded:
             self._allocate_decode_mask(whole=False)
         return logits
@@ -276,7 +281,7 @@ class ReturnedCacheDriver(_Driver):
             tokens_device, position_ids=positions, attention_mask=mask, past_key_values=self.cache.past_key_values
         )
         self.cache.update(past_of(output))
-        return logits_of(output)
+        return logits_of(output, self.ops)
 
 
 class CacheObjectDriver(_Driver):
@@ -294,9 +299,9 @@ class CacheObjectDriver(_Driver):
         cache = make_cache("dynamic", self.ops, self.host_ids.shape[0], self.host_ids.shape[1])
         if self.prompt.padded:
             cache.prompt_mask = self.ops.asarray(self.host_mask, self.dtype)
-        return logits_of(
-            self._call(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, logits_to_keep=keep)
-        )
+        kwargs = dict(position_ids=positions, attention_mask=mask, past_key_values=cache, logits_to_keep=keep)
+        output = self._call(ids, **kwargs)
+        return logits_of(output, self.ops)
 
     def prefill(self):
         ops, prompt, cfg = self.ops, self.prompt, self.config
@@ -313,7 +318,7 @@ class CacheObjectDriver(_Driver):
         )
         self.cache.advance(prompt.width)
         self.cache.prompt_mask = None
-        logits = self._expand(logits_of(output))
+        logits = self._expand(logits_of(output, self.ops))
         self._allocate_decode_mask(whole=cache.is_static, columns=cache.max_length)
         return logits
 
@@ -331,7 +336,7 @@ class CacheObjectDriver(_Driver):
             tokens_device, position_ids=positions, attention_mask=mask, past_key_values=self.cache, logits_to_keep=1
         )
         self.cache.advance(1)
-        return logits_of(output)
+        return logits_of(output, self.ops)
 
 
 class HFDriver(_Driver):
@@ -371,7 +376,7 @@ class HFDriver(_Driver):
             kwargs["attention_mask"] = self.ops.asarray(self.host_mask, "int64") if self.prompt.padded else None
         if positions is not None:
             kwargs["position_ids"] = positions
-        return logits_of(self.model(input_ids=ids, **kwargs))
+        return logits_of(self.model(input_ids=ids, **kwargs), self.ops)
 
     def _full_recompute(self):
         positions = self._device(cumsum_positions(self.host_mask), "int64", "position_ids")

@@ -17,6 +17,7 @@ from .drivers import make_driver
 from .inputs import ModelLimits, check_against_model, check_rows, check_vocabulary, prepare_prompts
 from .outputs import RoutedExperts, StepRecorder
 from .parallel.model_group import (
+    InconsistentInputs,
     agree_on_tokens,
     check_consistent_inputs,
     exclusive,
@@ -72,40 +73,38 @@ def generate(
     if model is None or not callable(model):
         raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
     ops = backend_for(model, input_ids)
+    synced, prompt, config, loop, refused = _asked_synced(generation_config, config_overrides), None, None, None, None
     try:
         config = resolve_config(generation_config, config_overrides, model)
-    except Exception as error:  # a step-synced rank with a bad config still tells the others
-        sync = _step_sync(ops, model, _asked_synced(generation_config, config_overrides))
-        if sync is not None:
-            sync.start(error, 0)
-        raise
-    sync = _step_sync(ops, model, config.synced_gpus)
-    try:
+        synced = config.synced_gpus
         prompt = prepare_prompts(input_ids, attention_mask)
         check_rows(prompt, config)  # batch x num_return_sequences, before any row is allocated
-        if sync is None:
-            check_consistent_inputs(ops, model, prompt, config)
         limits = ModelLimits.of(model)  # vocab_size / max_position_embeddings, where the model declares them
         check_against_model(prompt, config, limits)  # before any forward
         stops = None
         if config.stop_strings:
             stops = StopStrings(config.stop_strings, tokenizer, prompt.take(_repeat_rows(prompt, config)))
         # the driver's own checks (a padded prompt for a forward without attention_mask) before the exchange too
-        loop = _DecodeLoop(model, ops, prompt, config, ops.param_dtype(model), limits, sync, stops)
+        loop = _DecodeLoop(model, ops, prompt, config, ops.param_dtype(model), limits, None, stops)
     except Exception as error:
-        if sync is not None:
-            sync.start(error, 0)  # every rank learns it before anyone enters a forward
-        raise
+        refused = error
+    # Before any forward, every rank learns whether every rank may go on (a rank that raised alone would
+    # leave the others waiting in a collective): first a model-parallel group compares its ranks' inputs
+    # (one all-gather of fixed size, whatever each rank's own call was; a rank that refused its input
+    # joins it flagged), then a step-synced job exchanges the verdicts. Nothing when the world is one rank.
+    try:
+        check_consistent_inputs(ops, model, prompt, config, error=refused)  # raises ``refused`` itself
+    except Exception as error:
+        refused = error
+    sync = None
+    mixed = isinstance(refused, InconsistentInputs) and "synced_gpus" in refused.fields  # not every rank syncs
+    if not mixed:
+        sync = _step_sync(ops, model, synced)
     if sync is not None:
-        sync.start(None, prompt.batch_size * config.num_return_sequences)
-        # every rank's input is valid: now a model-parallel group compares its ranks' inputs (a rank that
-        # failed above would have skipped this collective), and the job learns the verdict
-        try:
-            check_consistent_inputs(ops, model, prompt, config)
-        except Exception as error:
-            sync.agree(error)
-            raise
-        sync.agree(None)
+        sync.start(refused, 0 if refused is not None else prompt.batch_size * config.num_return_sequences)
+    if refused is not None:
+        raise refused
+    loop.sync = sync
     with exclusive(ops, model), ops.no_grad():  # one thread at a time where the framework needs it
         with model_parameters_unsharded(ops, model, config.unshard_params):
             return loop.run(streamer, on_tokens)
@@ -196,6 +195,13 @@ class _DecodeLoop:
                 if selector is None:
                     if self.limits.vocab_size is None:  # undeclared: the logits tell, before the first token
                         check_vocabulary(prompt, config, int(raw.shape[-1]), "the width of its logits")
+                    elif int(raw.shape[-1]) < self.limits.vocab_size:  # the same width on every rank: all raise
+                        raise ValueError(
+                            f"the model's logits are {int(raw.shape[-1])} wide but its vocab_size is "
+                            f"{self.limits.vocab_size}: tokens past the width could never be chosen (an output "
+                            "layer split by vocabulary unevenly across ranks loses the remainder: HyperParallel's "
+                            "shard_module splits dim 0 evenly only)"
+                        )
                     offset = sync.row_offset if sync is not None else 0
                     selector = TokenSelector(ops, config, prompt, int(raw.shape[-1]), row_offset=offset)
                     selector.keep_scores = recorder is not None and (config.output_scores or config.output_logprobs)

@@ -140,3 +140,23 @@ def test_mindspore_bad_input_on_one_rank_is_raised_on_every_rank(mindspore_job):
     assert waiting.startswith("type=RankFailed ") and "failed on rank 1" in waiting
     for rank in (0, 1):
         assert _line(mindspore_job, rank, "done", "all") == "ok"
+
+
+@pytest.mark.distributed
+def test_vocab_sharded_logits_come_back_whole(job):
+    """HyperParallel's tensor parallelism (``shard_module``) on the output layer: its logits are a
+    vocab-sharded HyperParallel DTensor, which refuses even the slice that keeps the last position;
+    generate makes them whole first and gives HF's tokens on an unsharded copy, on both ranks."""
+    for rank in (0, 1):
+        assert _line(job, rank, "tp", "logits") == "hyper_parallel.core.dtensor placements=[Shard(dim=2)]"
+        assert _line(job, rank, "tp", "greedy") == "OK lengths=[6, 8, 8]"
+
+
+@pytest.mark.distributed
+def test_an_uneven_vocab_split_is_a_value_error_on_every_rank(job):
+    """97 output rows on 2 ranks: HyperParallel keeps 48 a rank and the logits come back 96 wide
+    (a token could never be chosen): every rank raises a ValueError naming both widths."""
+    for rank in (0, 1):
+        line = _line(job, rank, "tp", "uneven")
+        assert line.startswith("type=ValueError "), line
+        assert "logits are 96 wide but its vocab_size is 97" in line, line

@@ -30,7 +30,7 @@ from .models import SHAPES, make_checkpoint, prompt_batch
 def add_parser(sub):
     from .arguments import CACHE_DIR, add_command, backend_list, positive
 
-    parser = add_command(sub, "logprobs", "float32 rollout logprobs vs score() of the same tokens, float64 reference")
+    parser = add_command(sub, "logprobs", "rollout logprobs vs score(), float64 reference")
     parser.add_argument("--shape", default="mid", choices=["mid", "0.8b"], help="checkpoint shape")
     parser.add_argument("--backends", type=backend_list, default="torch,mindspore", help="backends, one at a time")
     parser.add_argument("--batch", type=positive, default=8, help="prompts rolled out together")

@@ -24,7 +24,7 @@ from .models import make_checkpoint
 def add_parser(sub):
     from .arguments import CACHE_DIR, add_command, backend_list, kernels_spec, positive
 
-    parser = add_command(sub, "update", "update_weights (all tensors) vs load_model of the same checkpoint")
+    parser = add_command(sub, "update", "update_weights vs load_model of one checkpoint")
     parser.add_argument("--shape", default="0.8b", choices=["mid", "0.8b"], help="checkpoint shape")
     parser.add_argument("--backends", type=backend_list, default="torch,mindspore", help="backends, one at a time")
     parser.add_argument("--repeats", type=positive, default=3, help="timed runs of each; the fastest is kept")

@@ -162,7 +162,7 @@ class RaggedBatch:
                     "keeps a cache (RFC contract: return {'logits', 'past_key_values'}, or a cache-object model)"
                 )
             state = _State.of_past(past, width)
-        logits = logits_of(output)
+        logits = logits_of(output, ops)
         return PrefillGroup(state, valid, valid.sum(axis=1), logits[:, -1], routed)
 
     def decode(self):
@@ -193,7 +193,7 @@ class RaggedBatch:
             self.state = _State.of_past(past_of(output), width)
         self.valid = valid
         self.positions = self.positions + 1
-        return logits_of(output)[:, -1]
+        return logits_of(output, ops)[:, -1]
 
     # ---- row operations ----------------------------------------------------------------------
     def join(self, group: PrefillGroup, sources: np.ndarray, rows: List[Any], first_tokens: np.ndarray) -> None:

@@ -130,10 +130,19 @@ def _fingerprint(prompt, config, extra=(), failed=False):
     return names, np.concatenate(words).astype(np.float32)[None, :]
 
 
+class InconsistentInputs(ValueError):
+    """The ranks of a model-parallel group were given different inputs or config; ``fields`` names them."""
+
+    def __init__(self, message: str, fields=()):
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
 def check_consistent_inputs(ops, model, prompt, config, *, extra=(), error=None, caller="generate()") -> None:
     """Every rank of ``model``'s model-parallel group has the same inputs and config, or every rank
     raises a ``ValueError`` naming the fields and ranks (one small all-gather; nothing when the model
-    is not split). ``extra``: more (name, bytes) fields, the same names on every rank.
+    is not split; an :class:`InconsistentInputs`, whose ``fields`` say which). ``extra``: more
+    (name, bytes) fields, the same names on every rank.
 
     ``error``: this rank refused its own input before the exchange (``prompt`` / ``config`` may then be
     None); it still joins the all-gather, so the others raise a ``ValueError`` naming it instead of
@@ -158,10 +167,11 @@ def check_consistent_inputs(ops, model, prompt, config, *, extra=(), error=None,
     if differs.any():
         fields = [name for i, name in enumerate(names) if differs[:, i].any()]
         ranks = [r for r in range(differs.shape[0]) if differs[r].any()]
-        raise ValueError(
+        raise InconsistentInputs(
             f"{caller} was called with different {', '.join(fields)} on rank(s) {ranks} than on rank 0 of the "
             f"{size}-rank model group; every rank must get the same inputs and config (logits_processor and "
-            "stopping_criteria: the same number of the same callables)"
+            "stopping_criteria: the same number of the same callables)",
+            fields,
         )
 
 

@@ -15,6 +15,9 @@ Prints ``rank R: <check> <label> ...`` lines:
 - all-gathers (``all_gather_into_tensor`` calls) of one forward, of a generate call, and of one with
   ``unshard_params=True``; after it the parameters are HyperParallel DTensors again and every
   module's reshard-after-forward is back, also after a call that raised;
+- tp: the output layer split by vocabulary with HyperParallel's ``shard_module``: its logits come
+  back as a vocab-sharded HyperParallel DTensor, greedy tokens are HF's on the unsharded copy; an
+  uneven split (97 rows on 2 ranks) is a ValueError on every rank;
 - errors: an out-of-vocabulary id on rank 1 only: every rank raises, naming rank 1.
 """
 
@@ -25,8 +28,11 @@ os.environ.setdefault("HYPER_PARALLEL_PLATFORM", "torch")  # it picks MindSpore 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from hyper_parallel import SkipDTensorDispatch, init_device_mesh  # noqa: E402
+from hyper_parallel import DTensor, SkipDTensorDispatch, init_device_mesh  # noqa: E402
 from hyper_parallel.core.fully_shard import fully_shard  # noqa: E402
+from hyper_parallel.core.placement_types import Replicate, Shard  # noqa: E402
+from hyper_parallel.core.shard.api import shard_module  # noqa: E402
+from hyper_parallel.core.shard.sharding_plan import ShardingPlan  # noqa: E402
 from rollout_common import (  # noqa: E402
     WIDTH,
     CharTokenizer,
@@ -165,6 +171,36 @@ try:
     say(rank, "after", "raised", f"{verdict(sharded_state(sharded) == before)} type={kind}")
 finally:
     dist.all_gather_into_tensor = original
+
+
+def head_sharded(model):
+    """The output layer split by vocabulary with HyperParallel's tensor parallelism (``shard_module``),
+    its input made a replicated DTensor (``DTensor.from_local``) as its linear's layout rule needs: the
+    logits come back as a vocab-sharded HyperParallel DTensor. (Its whole-model plan does not run an HF
+    decoder on CPU: no layout rule for the ``__getitem__`` of the rotary embedding.)"""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = shard_module(model, mesh, ShardingPlan(plan={"lm_head.weight": (Shard(0),)}))
+    model.lm_head.register_forward_pre_hook(lambda module, args: (DTensor.from_local(args[0], mesh, (Replicate(),)),))
+    return model
+
+
+head = head_sharded(copy.deepcopy(reference))
+tp_ids, tp_mask = batches[1]  # tensor parallel: every rank the same prompts
+with torch.no_grad():
+    logits = head(tp_ids, attention_mask=tp_mask).logits
+say(rank, "tp", "logits", f"{type(logits).__module__} placements={list(logits.placements)}")
+tp_expected = hf_generated(
+    reference.generate(
+        tp_ids, attention_mask=tp_mask, max_new_tokens=8, do_sample=False, eos_token_id=EOS, pad_token_id=0
+    ),
+    WIDTH,
+    EOS,
+)
+got = ours_generated(generate(head, tp_ids, attention_mask=tp_mask, max_new_tokens=8, **common), tp_mask)
+say(rank, "tp", "greedy", f"{verdict(got == tp_expected)} lengths={[len(r) for r in got]}")
+uneven = head_sharded(build_model(vocab_size=VOCAB + 1))  # 97 rows: HyperParallel keeps 48 a rank
+kind, message, seconds, _ = catch(lambda: generate(uneven, tp_ids, attention_mask=tp_mask, max_new_tokens=8, **common))
+say(rank, "tp", "uneven", f"type={kind} seconds={seconds:.2f} message={message}")
 
 bad_ids = ids.clone()
 if rank == 1:

@@ -9,6 +9,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
 
+from hyper_gen.parallel import hyperparallel
+
 from .launch import timeout_description
 from .primitives import cast, pad_axis
 
@@ -201,10 +203,10 @@ class MindSporeOps:
         return ms._no_grad()
 
     def is_distributed(self, x):
-        return False  # MindSpore shards parameters and activations without a distributed tensor type
+        return hyperparallel.is_dtensor(x)  # MindSpore's own sharding has no distributed tensor type
 
     def full_tensor(self, x):
-        return x
+        return x.full_tensor() if self.is_distributed(x) else x
 
     # collectives (CPU: AllGather / AllReduce / Broadcast only; Ascend HCCL has all) ------------
     def rank(self, group=None):

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hyper_gen.parallel import hyperparallel
+
 from . import launch
 
 _DTYPES = {
@@ -127,10 +129,10 @@ class TorchOps:
         return torch.no_grad()
 
     def is_distributed(self, x):
-        return isinstance(x, DTensor)
+        return isinstance(x, DTensor) or hyperparallel.is_dtensor(x)
 
     def full_tensor(self, x):
-        return x.full_tensor() if isinstance(x, DTensor) else x
+        return x.full_tensor() if self.is_distributed(x) else x
 
     # collectives -----------------------------------------------------------------------
     def rank(self, group=None):
