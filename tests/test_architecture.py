@@ -28,6 +28,7 @@ FLOORS = {
     "parallel": 0,
     "demo": 0,
     "engine": 0,  # in-flight batching: slots, per-request sampling, the async request API
+    "kv_cache": 0,  # paged KV bookkeeping: block ids, refcounts, hashes, snapshot slots (no framework)
     "models": 1,  # family descriptions, checkpoint reader, load_model (reaches kernels via the registry)
     "backends": 2,  # ops + kernels consume core and the model descriptions
     "facade": 3,  # hyper_gen/__init__: the public names (core's, and load_model)

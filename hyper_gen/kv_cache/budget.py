@@ -1,0 +1,44 @@
+"""Sizing the pool from a memory budget (``cache_memory_bytes``).
+
+The engine knows what one block costs on its model (every attention layer's K and V rows for
+``block_size`` positions, in the cache dtype, on this rank's heads) and what one state snapshot
+costs (every Gated DeltaNet layer's float32 recurrent matrix and conv window); this module only
+turns bytes into counts, and says which budget was too small when it cannot hold one block.
+"""
+
+from __future__ import annotations
+
+from . import checks
+
+
+def kv_bytes_per_block(
+    block_size: int, num_attention_layers: int, num_kv_heads: int, head_dim: int, itemsize: int
+) -> int:
+    """Bytes of one block: K and V, every attention layer, ``num_kv_heads`` of this rank."""
+    block_size = checks.count("block_size", block_size, minimum=1)
+    layers = checks.count("num_attention_layers", num_attention_layers, minimum=1)
+    heads = checks.count("num_kv_heads", num_kv_heads, minimum=1)
+    head_dim = checks.count("head_dim", head_dim, minimum=1)
+    itemsize = checks.count("itemsize", itemsize, minimum=1)
+    return 2 * layers * heads * head_dim * block_size * itemsize
+
+
+def blocks_for_bytes(budget_bytes: int, bytes_per_block: int, name: str = "cache_memory_bytes") -> int:
+    """How many whole blocks ``budget_bytes`` holds; ValueError naming the budget (``name``) if
+    not even one."""
+    budget = checks.count(name, budget_bytes)
+    per_block = checks.count("bytes_per_block", bytes_per_block, minimum=1)
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"{name}={budget} cannot hold one KV cache block ({per_block} bytes): give at least {per_block}"
+        )
+    return blocks
+
+
+def snapshot_slots_for_bytes(budget_bytes: int, bytes_per_snapshot: int, name: str = "snapshot_memory_bytes") -> int:
+    """How many state snapshots ``budget_bytes`` holds (0 is allowed: a hybrid model then gets
+    no prefix hits, only paging)."""
+    budget = checks.count(name, budget_bytes)
+    per_snapshot = checks.count("bytes_per_snapshot", bytes_per_snapshot, minimum=1)
+    return budget // per_snapshot
