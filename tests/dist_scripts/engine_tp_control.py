@@ -78,8 +78,10 @@ ids = [tokenizer(p)["input_ids"] for p, _ in make_prompts(7, seed=41)]
 checks = {}
 with engine:
     long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    engine.pause(mode="keep")  # submitted while paused: the 3 rows are admitted together at resume
     streams = [engine.submit(p, long) for p in ids[:3]]  # the batch is full: the 4th waits
     queued = engine.submit(ids[3], long)
+    engine.resume()
     first = iter(streams[0])
     [next(first) for _ in range(3)]
     outs = engine.abort_all()
