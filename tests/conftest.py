@@ -22,6 +22,15 @@ from backend_harness import HARNESSES
 BACKENDS = ["torch", "mindspore"]
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown (and unused) under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Each test file on one worker under -n 2 (``--dist loadfile``): a module-scoped torchrun / msrun
+    job then runs once; with xdist's default ``load`` every worker that got one of its tests ran it."""
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return HARNESSES[request.param]()
