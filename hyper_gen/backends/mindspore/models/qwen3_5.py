@@ -11,7 +11,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import ParameterTuple, Tensor, nn, ops
 
-from hyper_gen.backends.mindspore import decode, layers, matmul_widths
+from hyper_gen import matmul_widths
+from hyper_gen.backends.mindspore import decode, layers
 from hyper_gen.backends.mindspore.compile import (
     COMPILED_DECODE,
     DYNAMIC_COMPILE_AFTER,
