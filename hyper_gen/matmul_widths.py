@@ -2,15 +2,19 @@
 once per host through the model's ``KernelPlan`` (``hyper_gen.kernel_plan``): some CPU MatMul
 widths run several times slower than one 64 columns wider, depending on the host, and a padded
 width sums its columns in another order (docs/architecture.md, "Kernel plans"). Host arithmetic
-over the plan's records only: the port that pads (MindSpore's ``weights``) times its own MatMul.
+over the plan's records (and, for a head kept in blocks, ``Ops`` gathers of its columns): the port
+that pads (MindSpore's ``weights``) times its own MatMul.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 from hyper_gen import host
+from hyper_gen.ops import Ops, Tensor
 
 ROWS = 128  # rows of the timed product: a prefill's, where the slow widths cost the most
 MARGIN = 0.8  # the padded width is kept only if it takes at most this share of the time
@@ -86,3 +90,16 @@ def block_width(columns: int, most: int) -> int:
     share = -(-columns // -(-columns // most))
     width = -(-share // 64) * 64
     return width + 64 if (width // 64) % 2 == 0 else width
+
+
+def block_columns(ops: Ops, blocks: Sequence[Tensor], width: int, ids: np.ndarray) -> Tensor:
+    """(rows, N): the columns ``ids`` of a matrix kept as column ``blocks`` of ``width`` columns
+    (``block_width``; the last one narrower), gathered from the blocks that hold them (found on the
+    host), in the order of ``ids``: a tied LM head's embedding lookup."""
+    block = ids // width
+    order = np.argsort(block, kind="stable")
+    local = ids[order] - block[order] * width
+    parts = [ops.take(blocks[int(b)], local[block[order] == b], 1) for b in np.unique(block)]
+    if len(parts) == 1:  # one block: the ids are in their own order (every batch-1 decode step)
+        return parts[0]
+    return ops.take(ops.concat(parts, 1), np.argsort(order), 1)
