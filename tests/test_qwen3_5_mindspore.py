@@ -21,7 +21,9 @@ from qwen_checkpoints import TINY_TEXT_CONFIG, VARIANTS, make_checkpoint
 from hyper_gen.backends.mindspore import configure
 from hyper_gen.backends.mindspore.layers import MLP
 from hyper_gen.backends.mindspore.models import qwen3_5 as native
-from hyper_gen.backends.mindspore.weights import block_width, round_to
+from hyper_gen.backends.mindspore.weights import matmul_seconds
+from hyper_gen.matmul_widths import block_width
+from hyper_gen.models.arrays import round_to
 from hyper_gen.models.checkpoint import Checkpoint
 from hyper_gen.models.loading import load_model
 from hyper_gen.token_packing import TokenPacking
@@ -58,7 +60,7 @@ def test_lm_head_in_column_blocks(path, monkeypatch, variant):
     """The LM head is stored in blocks of vocabulary columns (one block at this vocabulary); with
     blocks of 20 the logits are concatenated and a tied embedding gathers each row's ids from the
     blocks holding them (several blocks in one prefill or decode step)."""
-    monkeypatch.setattr("hyper_gen.backends.mindspore.weights.block_width", lambda columns, most: 20)
+    monkeypatch.setattr("hyper_gen.matmul_widths.block_width", lambda columns, most: 20)
     model = native.load(Checkpoint(path(variant)), "float64")
     assert [tuple(p.shape) for p in model.lm_head] == [(TINY_TEXT_CONFIG["hidden_size"], 20)] * 4 + [
         (TINY_TEXT_CONFIG["hidden_size"], VOCAB - 80)
@@ -138,8 +140,7 @@ def test_left_padded_prefill_packs_the_real_tokens(path, monkeypatch, variant, d
 def test_a_head_streamed_from_memory_is_read_in_narrow_blocks_on_cpu():
     """The LM head is cut into blocks of up to 65536 columns, and of ~8K on CPU once it is larger
     than the last-level cache (a 1 GB head read faster so; docs/performance.md)."""
-    from hyper_gen import host
-    from hyper_gen.backends.mindspore import matmul_widths
+    from hyper_gen import host, matmul_widths
 
     cache = host.last_level_cache_bytes()
     assert cache >= 1 << 20
@@ -151,7 +152,7 @@ def test_a_head_streamed_from_memory_is_read_in_narrow_blocks_on_cpu():
 def test_faster_keeps_the_faster_of_two_widths():
     """A fused projection is stored at its width or at the padded candidate (64 times an odd
     number, wider), whichever a timed MatMul finds at least 20% faster."""
-    from hyper_gen.backends.mindspore import matmul_widths
+    from hyper_gen import matmul_widths
 
     assert [matmul_widths.candidate(w) for w in (3072, 2064, 5120, 7168, 1280, 3136)] == [
         3136,
@@ -174,7 +175,7 @@ def test_faster_keeps_the_faster_of_two_widths():
     assert matmul_widths.faster(512, 2064, "f32", timer({2064: 1.0, 2112: 0.9})) == 2064  # within the margin
     assert calls == [(128, 512, 3136), (128, 512, 3072), (128, 512, 2112), (128, 512, 2064)]
     # the real timer runs MindSpore's MatMul
-    assert 0 < matmul_widths._seconds(8, 16, 64, mindspore.float32) < 1
+    assert 0 < matmul_seconds(8, 16, 64, mindspore.float32) < 1
 
 
 @pytest.mark.parametrize("variant, dtype", [("dense", "float64"), ("moe", "float32")])
@@ -183,7 +184,7 @@ def test_padded_projection_widths_change_no_result(path, monkeypatch, tmp_path, 
     DeltaNet in_proj, the dense MLP's up|gate with zero rows in down) gives the tokens and logits of
     the checkpoint's widths, in PyNative prefill and the compiled decode steps, static and dynamic
     caches, a left-padded batch."""
-    from hyper_gen.backends.mindspore import matmul_widths
+    from hyper_gen import matmul_widths
     from hyper_gen.config import GenerationConfig
     from hyper_gen.generation import generate
 
@@ -205,7 +206,7 @@ def test_padded_projection_widths_change_no_result(path, monkeypatch, tmp_path, 
 
     plain = load_model(path(variant), backend="mindspore", dtype=dtype, kernels="plain")
     monkeypatch.setenv("HYPER_GEN_CACHE_DIR", str(tmp_path))  # a host plan of its own, timed as below
-    monkeypatch.setattr(matmul_widths, "faster", lambda inner, width, dtype, timer=None: matmul_widths.candidate(width))
+    monkeypatch.setattr(matmul_widths, "faster", lambda inner, width, dtype, timer: matmul_widths.candidate(width))
     padded = load_model(path(variant), backend="mindspore", dtype=dtype, kernels="auto")
     for a, b in zip(plain.layers, padded.layers):
         weights = ("qkv_t",) if a.is_attention else ("in_proj_t",)

@@ -1,4 +1,4 @@
-"""Host array copies the ports' weight loading shares (numpy only)."""
+"""Host array copies and roundings the ports' weight loading shares (numpy only)."""
 
 import numpy as np
 
@@ -13,4 +13,16 @@ def contiguous(array: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-__all__ = ["contiguous"]
+def round_to(array: np.ndarray, dtype: str) -> np.ndarray:
+    """``array`` rounded to ``dtype``'s precision but kept in its numpy dtype: parameters HF
+    upcasts before use (norm weights, A_log, dt_bias) must first lose what the model dtype loses."""
+    if dtype == "float16":
+        return array.astype(np.float16).astype(array.dtype)
+    if dtype == "bfloat16":  # round to nearest even on the top 16 bits of a float32
+        bits = array.astype(np.float32).view(np.uint32)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32).astype(array.dtype)
+    return array
+
+
+__all__ = ["contiguous", "round_to"]

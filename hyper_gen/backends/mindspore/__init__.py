@@ -10,12 +10,12 @@ The adapter interface every backend provides is described in ``hyper_gen.registr
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Optional
 
 import mindspore as ms
 import numpy as np
 
+from hyper_gen.models import fixed_logits
 from hyper_gen.parallel import hyperparallel
 
 from .launch import bind_local_rank_cores
@@ -86,26 +86,9 @@ def intra_op_threads() -> Optional[int]:
     return None
 
 
-def fixed_logits_model(logits: np.ndarray):
-    """A cache-object model whose forward only returns ``logits`` (batch, 1, vocab): everything
-    ``generate`` spends around it is the loop's own cost (``bench loop``); ``forward_seconds``
-    adds up the forwards' time."""
-
-    class FixedLogits(ms.nn.Cell):
-        supports_cache_object = True
-
-        def __init__(self):
-            super().__init__()
-            self.logits = ms.Parameter(ms.Tensor(logits), requires_grad=False)
-            self.forward_seconds = 0.0
-
-        def construct(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
-            start = time.perf_counter()
-            out = {"logits": self.logits}
-            self.forward_seconds += time.perf_counter() - start
-            return out
-
-    return FixedLogits()
+def fixed_logits_model(logits: np.ndarray) -> ms.nn.Cell:
+    """``hyper_gen.models.fixed_logits`` as a MindSpore Cell (``bench loop``)."""
+    return fixed_logits.fixed_logits_model(ms.nn.Cell, ms.Parameter(ms.Tensor(logits), requires_grad=False))
 
 
 def resolve_device(device, dtype: str, tp: int = 1) -> str:

@@ -37,7 +37,8 @@ from hyper_gen.backends.mindspore.primitives import (
     transpose_copy,
     zeros,
 )
-from hyper_gen.backends.mindspore.weights import Weights, round_to
+from hyper_gen.backends.mindspore.weights import Weights
+from hyper_gen.models.arrays import round_to
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import GatedDeltaNetShard
 from hyper_gen.parallel.context_parallel import CPStep

@@ -10,9 +10,10 @@ import numpy as np
 from mindspore import mint, ops
 
 from hyper_gen.parallel import hyperparallel
+from hyper_gen.parallel.world_gather import gather_over_world
 
 from .launch import timeout_description
-from .primitives import cast, pad_axis
+from .primitives import cast
 
 _DTYPES = {name: getattr(ms, name) for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64")}
 _DTYPES["bool"] = ms.bool_
@@ -82,26 +83,6 @@ def _world_gather(x, group=None):
     if x.dtype in _WIDE:  # CPU AllGather rounds float64 to float32: move the raw bits instead
         return gather(x.view(ms.int32)).view(x.dtype)
     return gather(x)
-
-
-def _group_gather(x, group):
-    """AllGather over subgroup ``group`` as one world AllGather (module docstring): the members'
-    tensors stacked along axis 0 in group rank order."""
-    if x.ndim == 0:
-        x = x.reshape(1)
-    shapes = ops.AllGather()(ms.Tensor(np.asarray([x.shape], np.int32))).asnumpy()  # (world, ndim)
-    top = tuple(int(n) for n in shapes.max(0))
-    for axis, n in enumerate(top):  # pad to the largest shape anyone gathers now
-        if x.shape[axis] < n:
-            x = pad_axis(x, axis, n - x.shape[axis])
-    gathered = _world_gather(x)
-    parts = []
-    for rank in _members(group):
-        part = gathered[rank * top[0] : (rank + 1) * top[0]]
-        if tuple(shapes[rank]) != top:
-            part = part[tuple(slice(0, int(n)) for n in shapes[rank])]
-        parts.append(part)
-    return parts[0] if len(parts) == 1 else ops.cat(tuple(parts), 0)
 
 
 class MindSporeOps:
@@ -231,7 +212,7 @@ class MindSporeOps:
     def all_gather(self, x, axis=0, group=None):
         with _naming_timeouts("AllGather", self):
             if _over_world(group):  # CPU: a subgroup's AllGather is a world one (module docstring)
-                gathered = _group_gather(x, group)
+                gathered = gather_over_world(self, x, _members(group))
             else:
                 gathered = _world_gather(x, self._group(group))  # stacks along axis 0
         if axis % x.ndim == 0:
@@ -256,7 +237,7 @@ class MindSporeOps:
     def broadcast(self, x, src=0, group=None):
         with _naming_timeouts("Broadcast", self):
             if _over_world(group):  # CPU: the group's gather over the world, src's part (src: a world rank)
-                gathered = _group_gather(x, group)
+                gathered = gather_over_world(self, x, _members(group))
                 index = _members(group).index(src)
                 return gathered[index * x.shape[0] : (index + 1) * x.shape[0]] if x.ndim else gathered[index]
             if x.dtype in _WIDE:  # CPU Broadcast narrows float64/int64: move the raw bits instead

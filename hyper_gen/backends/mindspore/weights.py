@@ -4,16 +4,17 @@ input, at the kernel plan's width, norm weights folded in (docs/architecture.md,
 
 from __future__ import annotations
 
+import time
 from typing import List
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor
+from mindspore import Parameter, Tensor, ops
 
-from hyper_gen.backends.mindspore import matmul_widths
+from hyper_gen import matmul_widths
 from hyper_gen.backends.mindspore.primitives import numpy_dtype, on_cpu
 from hyper_gen.kernel_plan import KernelPlan
-from hyper_gen.models.arrays import contiguous
+from hyper_gen.models.arrays import contiguous, round_to
 from hyper_gen.models.checkpoint import Piece
 from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS, ModelShard, vocab_rows
 
@@ -30,25 +31,24 @@ def check_dtype(dtype: str) -> None:
         )
 
 
-def round_to(array: np.ndarray, dtype: str) -> np.ndarray:
-    """``array`` rounded to ``dtype``'s precision but kept in its numpy dtype: parameters HF
-    upcasts before use (norm weights, A_log, dt_bias) must first lose what the model dtype loses."""
-    if dtype == "float16":
-        return array.astype(np.float16).astype(array.dtype)
-    if dtype == "bfloat16":  # round to nearest even on the top 16 bits of a float32
-        bits = array.astype(np.float32).view(np.uint32)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.astype(np.uint32).view(np.float32).astype(array.dtype)
-    return array
+REPEATS = 3  # timed MatMuls per width (the best is kept)
 
 
-def block_width(columns: int, most: int) -> int:
-    """Columns per block when ``columns`` are cut into ``ceil(columns / most)`` blocks: their even
-    share, rounded up to 64 times an odd number. A row stride of a large power of two bytes cuts
-    MindSpore's CPU matrix-vector bandwidth, as rows then collide in the same cache sets."""
-    share = -(-columns // -(-columns // most))
-    width = -(-share // 64) * 64
-    return width + 64 if (width // 64) % 2 == 0 else width
+def matmul_seconds(rows: int, inner: int, width: int, dtype) -> float:
+    """Best of REPEATS timed (rows, inner) @ (inner, width) MatMuls, after a warm-up: the timer
+    ``hyper_gen.matmul_widths`` compares a projection's width and its padded candidate with."""
+    np_dtype = {ms.float16: np.float16, ms.float32: np.float32, ms.float64: np.float64}.get(dtype, np.float32)
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((rows, inner)).astype(np_dtype), dtype)
+    w = Parameter(Tensor(rng.standard_normal((inner, width)).astype(np_dtype), dtype), requires_grad=False)
+    matmul = ops.MatMul()
+    matmul(x, w).asnumpy()
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        matmul(x, w).asnumpy()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 class Weights:
@@ -108,11 +108,11 @@ class Weights:
 
     def fast_width(self, inner: int, width: int) -> int:
         """The width an (inner, width) fused projection is stored with: on CPU the kernel plan's
-        (``hyper_gen.backends.mindspore.matmul_widths``), else the checkpoint's."""
+        (``hyper_gen.matmul_widths``, timed by ``matmul_seconds``), else the checkpoint's."""
         if not self.on_cpu:
             return width
         self.kernel_keys.add(matmul_widths.matmul_key(inner, width, self.dtype))
-        return matmul_widths.projection_width(self.kernel_plan, inner, width, self.dtype, self.ms_dtype)
+        return matmul_widths.projection_width(self.kernel_plan, inner, width, self.dtype, self.ms_dtype, matmul_seconds)
 
     def lm_head(self, shard: ModelShard):
         """(blocks, block width): this rank's LM head as (hidden, width) blocks of vocabulary columns
@@ -125,7 +125,7 @@ class Weights:
         if self.on_cpu:
             self.kernel_keys.add(matmul_widths.head_key(hidden, vocab, self.dtype))
             most = matmul_widths.head_columns(self.kernel_plan, hidden, vocab, self.dtype, head_t.nbytes)
-        width = block_width(vocab, most)
+        width = matmul_widths.block_width(vocab, most)
         return [self.param(head_t[:, i : i + width], f"lm_head.{i // width}") for i in range(0, vocab, width)], width
 
     def norm_scale(self, piece: Piece) -> np.ndarray:

@@ -9,11 +9,12 @@ The adapter interface every backend provides is described in ``hyper_gen.registr
 
 from __future__ import annotations
 
-import time
 from typing import Callable, List, Optional
 
 import numpy as np
 import torch
+
+from hyper_gen.models import fixed_logits
 
 from . import kernels, models
 from .devices import default_device, distributed_backend, npu_available, rank_device, resolve_device
@@ -63,26 +64,11 @@ def cpu_products(x: torch.Tensor, w: torch.Tensor) -> List[Callable[[], torch.Te
     return products
 
 
-def fixed_logits_model(logits: np.ndarray):
-    """A cache-object model whose forward only returns ``logits`` (batch, 1, vocab): everything
-    ``generate`` spends around it is the loop's own cost (``bench loop``); ``forward_seconds``
-    adds up the forwards' time."""
-
-    class FixedLogits(torch.nn.Module):
-        supports_cache_object = True
-
-        def __init__(self):
-            super().__init__()
-            self.logits = torch.nn.Parameter(torch.from_numpy(logits), requires_grad=False)
-            self.forward_seconds = 0.0
-
-        def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
-            start = time.perf_counter()
-            out = {"logits": self.logits}
-            self.forward_seconds += time.perf_counter() - start
-            return out
-
-    return FixedLogits()
+def fixed_logits_model(logits: np.ndarray) -> torch.nn.Module:
+    """``hyper_gen.models.fixed_logits`` as a torch Module (``bench loop``)."""
+    return fixed_logits.fixed_logits_model(
+        torch.nn.Module, torch.nn.Parameter(torch.from_numpy(logits), requires_grad=False)
+    )
 
 
 def ops_for(obj):

@@ -11,7 +11,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import ParameterTuple, Tensor, nn, ops
 
-from hyper_gen.backends.mindspore import decode, layers, matmul_widths
+from hyper_gen import matmul_widths
+from hyper_gen.backends.mindspore import decode, layers
 from hyper_gen.backends.mindspore.compile import (
     COMPILED_DECODE,
     DYNAMIC_COMPILE_AFTER,
@@ -142,25 +143,12 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Cell):
         if self.embed_tokens is not None:
             rows = ops.gather(self.embed_tokens, ids, 0)
         else:
-            rows = self._head_columns(ids).transpose(1, 0)
+            # a tied head: the ids' columns of the LM head blocks
+            columns = matmul_widths.block_columns(MindSporeOps(), self.lm_head, self.head_columns, ids.asnumpy())
+            rows = columns.transpose(1, 0)
         if not vocab_parallel:
             return rows
         return self.partial_sum(ops.where(held[:, None], rows, ops.zeros_like(rows)))
-
-    def _head_columns(self, ids):
-        """(hidden, N): the LM head's columns ``ids`` (local ids), gathered from the blocks that
-        hold them (found on the host), in the order of ``ids``."""
-        host = ids.asnumpy()
-        blocks = host // self.head_columns
-        order = np.argsort(blocks, kind="stable")
-        local = host[order] - blocks[order] * self.head_columns
-        parts = [
-            ops.gather(self.lm_head[int(block)], Tensor(local[blocks[order] == block]), 1)
-            for block in np.unique(blocks)
-        ]
-        if len(parts) == 1:  # one block: the ids are in their own order (every batch-1 decode step)
-            return parts[0]
-        return ops.gather(ops.concat(parts, 1), Tensor(np.argsort(order)), 1)
 
     def construct(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
         """Contract call (docs/model_contract.md). Without a cache the forward is cacheless (a

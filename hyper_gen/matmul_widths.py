@@ -1,22 +1,23 @@
-"""The output width a MindSpore CPU projection is stored with, and the LM head's block columns,
-chosen once per host through the model's ``KernelPlan`` (``hyper_gen.kernel_plan``): some CPU
-MatMul widths run several times slower than one 64 columns wider, depending on the host, and a
-padded width sums its columns in another order (docs/architecture.md, "Kernel plans").
+"""The output width a fused CPU projection is stored with, and the LM head's block columns, chosen
+once per host through the model's ``KernelPlan`` (``hyper_gen.kernel_plan``): some CPU MatMul
+widths run several times slower than one 64 columns wider, depending on the host, and a padded
+width sums its columns in another order (docs/architecture.md, "Kernel plans"). Host arithmetic
+over the plan's records (and, for a head kept in blocks, ``Ops`` gathers of its columns): the port
+that pads (MindSpore's ``weights``) times its own MatMul.
 """
 
 from __future__ import annotations
 
 import re
-import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from ... import host
+from hyper_gen import host
+from hyper_gen.ops import Ops, Tensor
 
 ROWS = 128  # rows of the timed product: a prefill's, where the slow widths cost the most
 MARGIN = 0.8  # the padded width is kept only if it takes at most this share of the time
-REPEATS = 3
 # Most LM head columns per matmul: one very wide matrix-vector product reads slower than a few
 # narrower ones on MindSpore CPU, and a head streamed from memory (larger than the last-level
 # cache) fastest in blocks of ~8K columns.
@@ -38,30 +39,10 @@ def candidate(width: int) -> int:
     return wider if (wider // 64) % 2 else wider + 64
 
 
-def _seconds(rows: int, inner: int, width: int, dtype) -> float:
-    """Best of REPEATS timed (rows, inner) @ (inner, width) MatMuls on MindSpore, after a warm-up."""
-    import mindspore as ms
-    from mindspore import Parameter, Tensor, ops
-
-    np_dtype = {ms.float16: np.float16, ms.float32: np.float32, ms.float64: np.float64}.get(dtype, np.float32)
-    rng = np.random.default_rng(0)
-    x = Tensor(rng.standard_normal((rows, inner)).astype(np_dtype), dtype)
-    w = Parameter(Tensor(rng.standard_normal((inner, width)).astype(np_dtype), dtype), requires_grad=False)
-    matmul = ops.MatMul()
-    matmul(x, w).asnumpy()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        matmul(x, w).asnumpy()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def faster(inner: int, width: int, dtype, timer: Callable[[int, int, int, object], float] = None) -> int:
+def faster(inner: int, width: int, dtype, timer: Callable[[int, int, int, object], float]) -> int:
     """``width`` or ``candidate(width)``, whichever (inner, width) projection runs faster here
     (the padded one by at least 1 - MARGIN). ``timer(rows, inner, width, dtype)`` returns seconds
-    (default: a MindSpore MatMul)."""
-    timer = timer or _seconds
+    (the port's MatMul, ``dtype`` its own)."""
     wider = candidate(width)
     return wider if timer(ROWS, inner, wider, dtype) <= MARGIN * timer(ROWS, inner, width, dtype) else width
 
@@ -73,11 +54,11 @@ def _recorded(plan, key: str, kernel: str, kind: str, least: int) -> int:
     return int(match.group(2))
 
 
-def projection_width(plan, inner: int, width: int, dtype_name: str, dtype) -> int:
+def projection_width(plan, inner: int, width: int, dtype_name: str, dtype, timer) -> int:
     """The width an (inner, width) fused projection is stored with under ``plan`` (the key it is
-    recorded under: ``matmul_key``)."""
+    recorded under: ``matmul_key``), timed by ``timer`` (``faster``) where the plan has none."""
     key = matmul_key(inner, width, dtype_name)
-    kernel = plan.choose(key, lambda: f"width:{faster(inner, width, dtype)}")
+    kernel = plan.choose(key, lambda: f"width:{faster(inner, width, dtype, timer)}")
     return width if kernel == "plain" else _recorded(plan, key, kernel, "width", width)
 
 
@@ -100,3 +81,25 @@ def head_columns(plan, hidden: int, vocab: int, dtype_name: str, head_bytes: int
     key = head_key(hidden, vocab, dtype_name)
     kernel = plan.choose(key, lambda: f"columns:{streamed_columns(head_bytes, host.last_level_cache_bytes())}")
     return HEAD_COLUMNS if kernel == "plain" else _recorded(plan, key, kernel, "columns", 1)
+
+
+def block_width(columns: int, most: int) -> int:
+    """Columns per block when ``columns`` are cut into ``ceil(columns / most)`` blocks: their even
+    share, rounded up to 64 times an odd number. A row stride of a large power of two bytes cuts
+    MindSpore's CPU matrix-vector bandwidth, as rows then collide in the same cache sets."""
+    share = -(-columns // -(-columns // most))
+    width = -(-share // 64) * 64
+    return width + 64 if (width // 64) % 2 == 0 else width
+
+
+def block_columns(ops: Ops, blocks: Sequence[Tensor], width: int, ids: np.ndarray) -> Tensor:
+    """(rows, N): the columns ``ids`` of a matrix kept as column ``blocks`` of ``width`` columns
+    (``block_width``; the last one narrower), gathered from the blocks that hold them (found on the
+    host), in the order of ``ids``: a tied LM head's embedding lookup."""
+    block = ids // width
+    order = np.argsort(block, kind="stable")
+    local = ids[order] - block[order] * width
+    parts = [ops.take(blocks[int(b)], local[block[order] == b], 1) for b in np.unique(block)]
+    if len(parts) == 1:  # one block: the ids are in their own order (every batch-1 decode step)
+        return parts[0]
+    return ops.take(ops.concat(parts, 1), np.argsort(order), 1)
