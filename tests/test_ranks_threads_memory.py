@@ -27,10 +27,9 @@ from hyper_gen.parallel import launcher
 from hyper_gen.parallel.model_group import check_consistent_inputs
 
 
-def _run_session(cmd, timeout, env=None, feed=None, done=None):
+def _run_session(cmd, timeout, env=None, feed=None):
     """(returncode, output, seconds) of ``cmd`` in a new session, killed as a whole after ``timeout``.
-    ``feed(proc, output)`` may drive stdin while ``output`` (a list of str chunks) fills; ``done(output)``
-    true ends the wait early (what the test reads has been printed: the rest is the launcher's teardown)."""
+    ``feed(proc, output)`` may drive stdin while ``output`` (a list of str chunks) fills."""
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -54,12 +53,7 @@ def _run_session(cmd, timeout, env=None, feed=None, done=None):
             feed(proc, output)
         else:
             proc.stdin.close()
-        while done is not None and proc.poll() is None and time.monotonic() - start < timeout:
-            if done(output):
-                break
-            time.sleep(0.2)
-        else:
-            proc.wait(timeout=max(1, timeout - (time.monotonic() - start)))
+        proc.wait(timeout=max(1, timeout - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -182,20 +176,16 @@ def _check_stall(code, text, seconds, named):
     kind, waited, message = found.group(1), float(found.group(2)), found.group(3)
     assert kind == "TimeoutError" and named in message, found.group(0)
     assert TIMEOUT_S - 0.5 <= waited <= 3 * TIMEOUT_S, f"rank 0 waited {waited} s for a {TIMEOUT_S} s timeout"
-
-
-def _stall_reported(text):
-    return re.search(r"rank 0: \w+ after [\d.]+ s: .*\n", text) is not None
+    assert code != 0
 
 
 @pytest.mark.distributed
 def test_torchrun_stalled_rank_fails_within_the_timeout():
     env = dict(_env(), HYPER_GEN_TIMEOUT_S=str(TIMEOUT_S))
     cmd = _torchrun_cmd(2) + [script("stalled_rank.py"), "torch"]
-    # ends once rank 0 has reported: torchrun would take 30 s more to SIGKILL the stopped rank
-    code, text, seconds = _run_session(cmd, timeout=150, env=env, done=lambda out: _stall_reported("".join(out)))
+    code, text, seconds = _run_session(cmd, timeout=150, env=env)
     _check_stall(code, text, seconds, f"{TIMEOUT_S} s (timeout_s= / --timeout / $HYPER_GEN_TIMEOUT_S")
-    assert seconds < 120  # the old default was 600 s
+    assert seconds < 120  # torchrun takes 30 s more to SIGKILL the stopped rank; the old default was 600 s
 
 
 @pytest.mark.distributed
@@ -211,14 +201,9 @@ def test_msrun_stalled_rank_fails_within_the_timeout(tmp_path):
         "mindspore",
     ]
     env = dict(_env(), HYPER_GEN_TIMEOUT_S=str(TIMEOUT_S))
-
-    def worker_logs(_output=None):
-        names = sorted(os.listdir(tmp_path)) if tmp_path.exists() else []
-        return "".join(open(tmp_path / name).read() for name in names if name.startswith("worker_"))
-
-    # ends once rank 0 has reported (msrun's teardown of the stopped worker is not under test)
-    code, text, seconds = _run_session(cmd, timeout=180, env=env, done=lambda out: _stall_reported(worker_logs()))
-    _check_stall(code, worker_logs(), seconds, f"MS_CPU_COMM_OP_TIMEOUT={TIMEOUT_S} s")
+    code, text, seconds = _run_session(cmd, timeout=180, env=env)
+    logs = "".join(open(tmp_path / name).read() for name in sorted(os.listdir(tmp_path)) if name.startswith("worker_"))
+    _check_stall(code, logs, seconds, f"MS_CPU_COMM_OP_TIMEOUT={TIMEOUT_S} s")
 
 
 # ------------------------------------------------------------------ 4: a person is not a stalled rank
