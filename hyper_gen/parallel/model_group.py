@@ -176,10 +176,8 @@ def check_consistent_inputs(ops, model, prompt, config, *, extra=(), error=None,
 
 
 def gather_vocab_logits(ops, model, logits):
-    """Full-vocabulary logits (B, V) from a vocab-sharded model's local slice (or a distributed
-    tensor of them); else unchanged."""
-    if ops.is_distributed(logits):  # a DTensor (torch tensor parallelism with use_local_output=False)
-        return ops.full_tensor(logits)
+    """Full-vocabulary logits (B, V) from a vocab-sharded model's local slice; else unchanged (logits
+    that came back as a distributed tensor were made whole by ``drivers.logits_of``)."""
     if not is_vocab_parallel(ops, model):
         return logits
     group, size = parallel_group(ops, model)

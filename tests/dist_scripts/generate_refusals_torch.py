@@ -17,7 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from rollout_common import build_model, catch, prompts, say, setup
+from rollout_common import CharTokenizer, build_model, catch, prompts, say, setup
 from torch.distributed.fsdp import fully_shard
 
 from hyper_gen import generate, load_model
@@ -27,19 +27,6 @@ from hyper_gen.engine import Engine
 rank, world = setup(timeout_s=60)
 assert world == 2, world
 PATH = sys.argv[1]
-
-
-class CharTokenizer:
-    """Just what stop_strings needs of an HF tokenizer: token id i reads as chr(0x100 + i)."""
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) - 0x100 for c in text]}
-
-    def convert_ids_to_tokens(self, ids):
-        return [chr(0x100 + int(i)) for i in ids] if isinstance(ids, list) else chr(0x100 + int(ids))
-
-    def convert_tokens_to_string(self, tokens):
-        return "".join(tokens)
 
 
 def keep_all(input_ids, scores):
