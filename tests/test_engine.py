@@ -81,12 +81,13 @@ def test_a_request_never_waits_for_the_batch(backend, tokenizer, one_torch_threa
     """Short requests join a running long one, finish and free their slot while it still runs."""
     model = demo(backend)
     ids = prompts(tokenizer, 7, seed=3)
-    widths = []
-    with Engine(model, tokenizer, max_batch_size=2) as engine:
-        decode = engine._batch.decode
+    held = []  # per decode step: (blocks each row holds, blocks its own positions need)
+    with Engine(model, tokenizer, max_batch_size=2, block_size=4) as engine:
+        decode, batch = engine._batch.decode, engine._batch
 
         def recording_decode():
-            widths.append((engine._batch.width, int(engine._batch.positions.max())))
+            for row, length in zip(batch.rows, batch.lengths):
+                held.append((len(batch.kv.block_table(row.key)), -(-int(length) // 4)))
             return decode()
 
         engine._batch.decode = recording_decode
@@ -102,8 +103,8 @@ def test_a_request_never_waits_for_the_batch(backend, tokenizer, one_torch_threa
     assert out.outputs[0].finish_reason == "length"
     for prompt, stream in zip(ids[1:], shorts):
         assert stream.result().outputs[0].token_ids == reference(model, prompt, 4)
-    # the cache is as wide as its longest live row: joined rows' padding is trimmed when they leave
-    assert all(width <= longest for width, longest in widths)
+    # paged: a row holds the blocks of its own positions, never the longest row's
+    assert held and all(blocks == needed for blocks, needed in held)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -43,16 +43,18 @@ import numpy as np
 from ..config import model_defaults
 from ..drivers import ForwardSignature, is_hf_model
 from ..inputs import ModelLimits
+from ..kv_cache.manager import DEFAULT_STATE_SNAPSHOT_BLOCKS
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, gather_vocab_logits, parallel_group
 from ..registry import backend_for, thread_initializer
 from ..scoring import prompt_top_logprobs
-from .batch import RaggedBatch, keep_route, routed_experts, wants_routes
 from .control import Control, EngineControl, RecentIds
 from .outputs import ChoiceOutput, CompletionChunk, RequestOutput, prompt_logprob_entries
+from .paged import build_paged_batch
 from .params import SamplingParams
 from .plan import Admission, StepPlan, share_plan
 from .request import Request
+from .routes import keep_route, routed_experts
 from .selector import select
 from .stream import RequestStream
 
@@ -102,8 +104,13 @@ class Engine(EngineControl):
     ``tokenizer``: any HF tokenizer, for chunk text and stop strings (None: ids only).
     ``max_batch_size``: rows (choices) decoded together. ``max_model_len``: positions a request may
     use (prompt + max_tokens), default the model's ``max_position_embeddings``.
-    ``max_prefill_tokens``: the most (padded) prompt tokens admitted in one step (at least one
-    request is), which bounds how long a step of the running rows can stall behind new prompts.
+    The cache is paged (``paged.py``): ``block_size`` positions a block, from one pool of
+    ``cache_memory_bytes`` (default: what ``max_batch_size`` rows of ``max_model_len`` positions
+    could use, within a quarter of the host's available memory; ``stats()`` and the server print
+    it). ``enable_prefix_caching``: requests share the blocks of a common prompt prefix (a hybrid
+    model's recurrent state is snapshotted every ``state_snapshot_blocks`` blocks, where a hit may
+    resume). ``max_num_batched_tokens``: the most tokens a step computes, decoding rows included; a
+    longer prompt is prefilled in chunks over several steps while the running rows keep decoding.
     ``admit_batch``: admit waiting requests only once this many slots are free (or the batch is
     empty): 1 (the default) gives the lowest latency; an offline job, where only throughput
     counts, admits in groups so one prefill forward serves several requests (a prefill call
@@ -117,14 +124,24 @@ class Engine(EngineControl):
         *,
         max_batch_size=32,
         max_model_len=None,
-        max_prefill_tokens=4096,
         admit_batch=1,
+        enable_prefix_caching=True,
+        block_size=16,
+        max_num_batched_tokens=2048,
+        cache_memory_bytes=None,
+        state_snapshot_blocks=DEFAULT_STATE_SNAPSHOT_BLOCKS,
     ):
         check_engine_model(model)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        block_size = _positive_int("block_size", block_size)
+        max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        state_snapshot_blocks = _positive_int("state_snapshot_blocks", state_snapshot_blocks)
+        if cache_memory_bytes is not None:
+            cache_memory_bytes = _positive_int("cache_memory_bytes", cache_memory_bytes)
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
-        self.max_prefill_tokens = _positive_int("max_prefill_tokens", max_prefill_tokens)
         self.admit_batch = min(_positive_int("admit_batch", admit_batch), self.max_batch_size)
         self.ops = backend_for(model)
         limits = ModelLimits.of(model)
@@ -145,7 +162,20 @@ class Engine(EngineControl):
         self._heartbeat_s = heartbeat_s(collective_timeout_s())
         # multi-rank update_weights: how long a rank waits for its peers' calls (control.py)
         self.update_timeout_s = collective_timeout_s() or 600.0
-        self._batch = RaggedBatch(model, self.ops, self.ops.param_dtype(model))
+        with exclusive(self.ops, model), self.ops.no_grad():
+            self._batch = build_paged_batch(
+                model,
+                self.ops,
+                self.ops.param_dtype(model),
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                max_num_batched_tokens=max_num_batched_tokens,
+                cache_memory_bytes=cache_memory_bytes,
+                state_snapshot_blocks=state_snapshot_blocks,
+                max_batch_size=self.max_batch_size,
+                max_model_len=self.max_model_len,
+            )
+        self._asleep = False
         self._cond = threading.Condition()  # guards everything below that other threads touch
         self._waiting: deque = deque()  # rank 0: submitted, not admitted
         self._cancels: set = set()  # rank 0: serials whose streams asked to cancel
@@ -252,9 +282,18 @@ class Engine(EngineControl):
         return self._state == "running"
 
     def stats(self) -> dict:
-        """How busy the engine is (rank 0): ``running`` requests admitted and not yet closed,
-        ``waiting`` requests queued for a slot. A snapshot, read without the engine's lock."""
-        return {"running": len(self._live), "waiting": len(self._waiting)}
+        """How busy the engine is and what its cache holds (a snapshot, read without the engine's
+        lock): ``running`` requests admitted and not yet closed, ``waiting`` requests queued for a
+        slot; ``blocks_total`` / ``blocks_used`` / ``blocks_cached`` / ``blocks_free`` of the pool,
+        ``kv_cache_usage`` (used / total), ``prefix_cache_queries`` and ``prefix_cache_hits``
+        (prompt tokens looked up / found cached, cumulative, as vLLM counts them),
+        ``preemptions``, ``cache_memory_bytes`` and ``block_size``."""
+        stats = {"running": len(self._live), "waiting": len(self._waiting)}
+        stats.update(self._batch.stats())
+        stats["kv_cache_usage"] = stats["blocks_used"] / max(stats["blocks_total"], 1)
+        stats["cache_memory_bytes"] = self._batch.cache_memory_bytes
+        stats["block_size"] = self._batch.kv.block_size
+        return stats
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, prompt_token_ids, params: Optional[SamplingParams] = None, request_id: Optional[str] = None):
@@ -271,6 +310,8 @@ class Engine(EngineControl):
         noise_seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(0, 2**63))
         with self._cond:
             self._check_running()
+            if self._asleep:
+                raise RuntimeError("the engine is asleep (engine.sleep()): call engine.wake_up() before submitting")
             request = Request(next(self._serials), request_id, prompt, params, noise_seed)
             request.stream = RequestStream(request_id, lambda: self._cancel(request.serial))
             self._waiting.append(request)
@@ -349,6 +390,15 @@ class Engine(EngineControl):
             raise ValueError(
                 f"the prompt's {ids.size} tokens + max_tokens={params.max_tokens} = {ids.size + params.max_tokens} "
                 f"positions, more than max_model_len={self.max_model_len}: shorten the prompt or lower max_tokens"
+            )
+        kv = self._batch.kv
+        if not kv.can_ever_fit(ids.size + params.max_tokens):
+            raise ValueError(
+                f"the prompt's {ids.size} tokens + max_tokens={params.max_tokens} need "
+                f"{kv.blocks_needed(ids.size + params.max_tokens)} KV cache blocks of {kv.block_size} positions, more "
+                f"than the engine's whole pool of {kv.num_blocks} "
+                f"(cache_memory_bytes={self._batch.cache_memory_bytes}): raise cache_memory_bytes, or shorten the "
+                "prompt or max_tokens"
             )
         if params.return_routed_experts:
             self._batch.check_routes()  # ValueError: the model has no MoE layers
@@ -446,12 +496,8 @@ class Engine(EngineControl):
         wanted = sum(r.params.n for r in itertools.islice(self._waiting, self.admit_batch))
         if free < min(self.admit_batch, wanted) and free < self.max_batch_size:
             free = 0  # wait for more slots to free up, then prefill several requests at once
-        longest = 0
         while self._waiting and self._waiting[0].params.n <= free:
             request = self._waiting[0]
-            longest = max(longest, len(request.prompt))
-            if admissions and longest * (len(admissions) + 1) > self.max_prefill_tokens:
-                break
             self._waiting.popleft()
             free -= request.params.n
             self._live[request.serial] = request
@@ -461,7 +507,7 @@ class Engine(EngineControl):
         return StepPlan(admissions, drops, update=self._update_spec()), cancelled, tickets
 
     def _in_batch(self, key) -> bool:
-        return any(row.key == key for row in self._batch.rows)
+        return self._batch.holds(key)
 
     def _die(self, error: BaseException) -> None:
         with self._cond:
@@ -504,7 +550,7 @@ class Engine(EngineControl):
         with exclusive(self.ops, self.model):
             if plan.drops:
                 gone = set(map(tuple, plan.drops))
-                self._batch.drop([i for i, row in enumerate(self._batch.rows) if row.key not in gone])
+                self._batch.drop(gone)
                 self._forget(gone)
             if plan.update is not None:  # a multi-rank update_weights: every rank, here
                 self._apply_update(plan.update)
@@ -513,13 +559,15 @@ class Engine(EngineControl):
                 return
             if plan.hold:  # paused: the rows keep their cache, nothing runs
                 return
-            if len(self._batch):
-                self._decode()
             if plan.admissions:
                 requests = [self._request_of(a) for a in plan.admissions]
-                requests = [r for r in requests if self._prompt_logprobs(r)]
-                if requests:
-                    self._admit(requests)
+                for request in requests:
+                    if self._prompt_logprobs(request):
+                        self._batch.enqueue(request)
+            if self._batch.rows:
+                self._decode()
+            if self._batch.prefilling:
+                self._prefill()
 
     def _forget(self, gone: set) -> None:
         serials = {serial for serial, _ in gone}
@@ -527,7 +575,7 @@ class Engine(EngineControl):
             for serial in serials:
                 request = self._live.get(serial)
                 if request is not None and (request.closed or self.rank != 0):
-                    if not any(row.request is request for row in self._batch.rows):
+                    if not any(self._batch.holds(c.key) for c in request.choices):
                         del self._live[serial]
 
     def _request_of(self, admission: Admission) -> Request:
@@ -563,37 +611,48 @@ class Engine(EngineControl):
     def _decode(self) -> None:
         rows = list(self._batch.rows)
         try:
-            scores = self._scores(self._batch.decode())
+            logits = self._batch.decode()  # (may preempt the youngest rows first)
+            rows = list(self._batch.rows)
+            if logits is None:
+                return
+            scores = self._scores(logits)
         except Exception as error:  # the model failed: the rows in it fail, the engine goes on
-            self._batch.clear()
+            self._batch.drop([c.key for c in rows])
             for request in {id(c.request): c.request for c in rows}.values():
                 self._fail(request, error)
             return
         selection = select(self.ops, scores, rows, self._vocab(scores), logprobs=self.rank == 0)
         self._batch.pending = selection.tokens.copy()
-        self._record(rows, selection)
+        self._record(rows, selection, self._batch.routed)
+        self._batch.cache_decoded()
 
-    def _admit(self, requests: List[Request]) -> None:
-        try:
-            group = self._batch.prefill([r.prompt for r in requests], wants_routes(requests))
-            scores = self._scores(group.logits)
-        except Exception as error:
-            if len(requests) > 1:  # find the one that fails; the others are fine alone
-                for request in requests:
-                    self._admit([request])
-                return
-            self._fail(requests[0], error)
-            return
-        sources = np.asarray([j for j, r in enumerate(requests) for _ in r.choices], dtype=np.int64)
-        choices = [c for r in requests for c in r.choices]
-        if len(sources) != len(requests):
-            scores = self.ops.take(scores, sources, 0)
-        selection = select(self.ops, scores, choices, self._vocab(scores), logprobs=self.rank == 0)
-        self._batch.join(group, sources, choices, selection.tokens)
-        self._record(choices, selection)
+    def _prefill(self) -> None:
+        """This step's prefill chunks; the requests whose prompt is done choose their first tokens
+        and join the rows (a preempted choice rejoins with the token it had)."""
+        for done in self._batch.prefill_step():
+            entry = done.entry
+            if done.error is not None:
+                self._fail(entry.request, done.error)
+                continue
+            if entry.resume:
+                self._batch.join(entry, None)
+                continue
+            choices = entry.choices
+            sources = np.zeros(len(choices), dtype=np.int64)
+            try:
+                scores = self._scores(done.logits)
+            except Exception as error:
+                self._batch.drop([c.key for c in choices])
+                self._fail(entry.request, error)
+                continue
+            if len(choices) > 1:
+                scores = self.ops.take(scores, sources, 0)
+            selection = select(self.ops, scores, choices, self._vocab(scores), logprobs=self.rank == 0)
+            self._batch.join(entry, selection.tokens)
+            self._record(choices, selection, None if done.routed is None else done.routed[sources])
 
     # ---- results (rank 0 streams them; every rank keeps the token counts) ----------------
-    def _record(self, choices, selection) -> None:
+    def _record(self, choices, selection, routed) -> None:
         for row, choice in enumerate(choices):
             request = choice.request
             if request.closed or choice.finish_reason is not None:
@@ -603,7 +662,7 @@ class Engine(EngineControl):
                 continue
             token = int(selection.tokens[row])
             choice.token_ids.append(token)
-            keep_route(choice, self._batch.routed, row)
+            keep_route(choice, routed, row)
             if self.rank != 0:
                 continue
             self._emit(choice, token, selection.logprobs[row])

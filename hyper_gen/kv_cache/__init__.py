@@ -13,7 +13,14 @@ docs/kv_cache.md has the design and what the engine integration needs.
 """
 
 from .blocks import BlockPool, NotEnoughBlocks
-from .budget import blocks_for_bytes, kv_bytes_per_block, snapshot_slots_for_bytes
+from .budget import (
+    available_host_bytes,
+    blocks_for_bytes,
+    default_cache_bytes,
+    kv_bytes_per_block,
+    snapshot_slots_for_bytes,
+    split_budget,
+)
 from .manager import Allocation, Fork, KVCacheManager
 from .prefix import PrefixCache, hash_block
 from .snapshots import SnapshotPool
@@ -26,7 +33,10 @@ __all__ = [
     "NotEnoughBlocks",
     "PrefixCache",
     "SnapshotPool",
+    "available_host_bytes",
     "blocks_for_bytes",
+    "default_cache_bytes",
+    "split_budget",
     "hash_block",
     "kv_bytes_per_block",
     "snapshot_slots_for_bytes",

@@ -42,3 +42,43 @@ def snapshot_slots_for_bytes(budget_bytes: int, bytes_per_snapshot: int, name: s
     budget = checks.count(name, budget_bytes)
     per_snapshot = checks.count("bytes_per_snapshot", bytes_per_snapshot, minimum=1)
     return budget // per_snapshot
+
+
+# the share of the host's available memory a default pool may take (the weights are already
+# loaded when the engine sizes its pool; the rest stays for activations and the process)
+DEFAULT_MEMORY_SHARE = 0.25
+# the share of a hybrid model's budget its state snapshots may take (the rest holds K/V blocks)
+SNAPSHOT_SHARE = 0.25
+
+
+def available_host_bytes() -> int:
+    """The host's available memory (``MemAvailable``), or 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def default_cache_bytes(needed_bytes: int, available_bytes: int) -> int:
+    """The default ``cache_memory_bytes``: what the engine's rows could ever use (``needed_bytes``:
+    every row at ``max_model_len``, with its snapshots), capped at ``DEFAULT_MEMORY_SHARE`` of the
+    available memory (no cap where that is unknown: 0)."""
+    needed = checks.count("needed_bytes", needed_bytes, minimum=1)
+    available = checks.count("available_bytes", available_bytes)
+    return needed if not available else max(1, min(needed, int(available * DEFAULT_MEMORY_SHARE)))
+
+
+def split_budget(budget_bytes: int, bytes_per_block: int, bytes_per_snapshot: int, every_blocks: int):
+    """(blocks, snapshot slots) of a budget: a model without recurrent layers (``bytes_per_snapshot``
+    0) puts it all in blocks; a hybrid one gives its snapshots up to ``SNAPSHOT_SHARE`` (at most one
+    per ``every_blocks`` blocks: more could never be used)."""
+    if not bytes_per_snapshot:
+        return blocks_for_bytes(budget_bytes, bytes_per_block), 0
+    snapshot_bytes = int(budget_bytes * SNAPSHOT_SHARE)
+    blocks = blocks_for_bytes(budget_bytes - snapshot_bytes, bytes_per_block)
+    slots = min(snapshot_slots_for_bytes(snapshot_bytes, bytes_per_snapshot), max(blocks // every_blocks, 1))
+    return blocks, slots

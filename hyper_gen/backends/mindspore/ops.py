@@ -180,6 +180,18 @@ class MindSporeOps:
         index[axis] = slice(start, start + value.shape[axis])
         buf[tuple(index)] = value  # slice assignment really writes on MindSpore CPU (copy_ does not)
 
+    def write_rows(self, buf, rows, values):
+        buf[ms.Tensor(np.asarray(rows, dtype=np.int32).reshape(-1))] = values  # index assignment writes in place
+
+    def gather_slots(self, pool, slots):
+        b, t = np.shape(slots)
+        rows = ops.gather(pool, ms.Tensor(np.asarray(slots, dtype=np.int32).reshape(-1)), 0)
+        return rows.reshape(b, t, *pool.shape[1:]).transpose(0, 2, 1, 3)
+
+    def write_slots(self, pool, slots, values):
+        b, h, s, d = values.shape
+        self.write_rows(pool, slots, values.transpose(0, 2, 1, 3).reshape(b * s, h, d))
+
     def no_grad(self):
         return ms._no_grad()
 

@@ -125,6 +125,20 @@ class TorchOps:
     def write_slice(self, buf, axis, start, value):
         buf.narrow(axis, start, value.shape[axis]).copy_(value)
 
+    def _index(self, rows, device):
+        return torch.as_tensor(np.asarray(rows, dtype=np.int64).reshape(-1), device=device)
+
+    def write_rows(self, buf, rows, values):
+        buf.index_copy_(0, self._index(rows, buf.device), values.to(buf.dtype))
+
+    def gather_slots(self, pool, slots):
+        b, t = np.shape(slots)
+        return pool.index_select(0, self._index(slots, pool.device)).view(b, t, *pool.shape[1:]).transpose(1, 2)
+
+    def write_slots(self, pool, slots, values):
+        b, h, s, d = values.shape
+        pool.index_copy_(0, self._index(slots, pool.device), values.transpose(1, 2).reshape(b * s, h, d))
+
     def no_grad(self):
         return torch.no_grad()
 

@@ -1,0 +1,213 @@
+"""The engine's cache memory: a K and a V pool per attention layer, Gated DeltaNet state snapshots.
+
+``kv_cache/`` decides which block holds which positions (host ints); this module holds the
+tensors those ints index:
+
+- per attention layer, one K and one V pool of ``(num_blocks + 1) * block_size`` slots, each slot
+  a (heads, head_dim) row: block ``b`` of the bookkeeping is pool block ``b + 1``, and pool block 0
+  is the null block, whose slots every padding column of a gathered table points at (always
+  masked; padding tokens of a left-padded prefill write their K/V there too);
+- per Gated DeltaNet layer, ``num_snapshots`` float copies of its conv window and recurrent
+  matrix (a prefix ending at a snapshotted block boundary resumes from one).
+
+What the tensors look like (heads on this rank, head_dim, dtype; which layers are attention and
+which recurrent) comes from one probe forward of one token at start (``CacheLayout.probe``), so
+any model the engine runs (a native port, an RFC model returning its past, a tensor-parallel
+rank) is sized by what it actually writes. ``PagedCache`` is the cache object a port's attention
+calls ``update`` on: it writes the step's K/V into the pool and returns the rows' gathered K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, NamedTuple, Tuple
+
+import numpy as np
+
+from ..cache import DynamicCache, _ModelCache
+from ..drivers import past_of
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+NULL_SLOT = 0  # a slot of the null block: what padding columns read and padding tokens write
+
+
+class _Tensor(NamedTuple):
+    shape: Tuple[int, ...]  # without the batch axis
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * _ITEMSIZE[self.dtype]
+
+
+class CacheLayout:
+    """What one row's cache holds: per attention layer its K and V rows (heads, head_dim) a
+    position; per recurrent layer its conv and recurrent state. ``cache_object``: the model takes
+    a cache object (a native port) rather than returning its past (RFC contract 1)."""
+
+    def __init__(self, keys: Dict[int, _Tensor], values: Dict[int, _Tensor], conv, recurrent, cache_object: bool):
+        self.keys, self.values = keys, values
+        self.conv: Dict[int, _Tensor] = conv
+        self.recurrent: Dict[int, _Tensor] = recurrent
+        self.cache_object = cache_object
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.recurrent)
+
+    def bytes_per_token(self) -> int:
+        return sum(t.nbytes for t in (*self.keys.values(), *self.values.values()))
+
+    def bytes_per_state(self) -> int:
+        """One row's (or one snapshot's) conv and recurrent states, every recurrent layer."""
+        return sum(t.nbytes for t in (*self.conv.values(), *self.recurrent.values()))
+
+    @classmethod
+    def probe(cls, model, ops, call) -> "CacheLayout":
+        """Run one token through ``model`` (``call(ids, **kwargs)``) and read what its cache holds."""
+        dtype = ops.param_dtype(model)
+        kwargs = dict(
+            position_ids=ops.asarray(np.zeros((1, 1), dtype=np.int64), "int64"),
+            attention_mask=ops.asarray(np.zeros((1, 1, 1, 1)), dtype),
+        )
+        ids = ops.asarray(np.zeros((1, 1), dtype=np.int64), "int64")
+        cache_object = bool(getattr(model, "supports_cache_object", False))
+
+        def spec(tensor):
+            return _Tensor(tuple(int(n) for n in tensor.shape[1:]), ops.dtype_name(tensor))
+
+        if cache_object:
+            cache = DynamicCache(ops, 1, 1 << 40)
+            call(ids, past_key_values=cache, logits_to_keep=1, **kwargs)
+            keys = {i: _row(spec(t)) for i, t in cache.keys.items()}
+            values = {i: _row(spec(t)) for i, t in cache.values.items()}
+            conv = {i: spec(t) for i, t in cache.conv_states.items()}
+            recurrent = {i: spec(t) for i, t in cache.recurrent_states.items()}
+        else:
+            past = past_of(call(ids, past_key_values=None, **kwargs))
+            if past is None:
+                raise TypeError(
+                    f"{type(model).__name__} returned no past_key_values: the engine needs a model that keeps a "
+                    "cache (RFC contract: return {'logits', 'past_key_values'}, or a cache-object model)"
+                )
+            keys = {i: _row(spec(pair[0])) for i, pair in enumerate(past)}
+            values = {i: _row(spec(pair[1])) for i, pair in enumerate(past)}
+            conv, recurrent = {}, {}
+        if not keys and not recurrent:
+            raise TypeError(f"{type(model).__name__} wrote nothing into its cache on a forward of one token")
+        return cls(keys, values, conv, recurrent, cache_object)
+
+
+def _row(spec: _Tensor) -> _Tensor:
+    """(H, T, D) of one row's K or V -> the (H, D) of one slot."""
+    heads, _, dim = spec.shape
+    return _Tensor((heads, dim), spec.dtype)
+
+
+class KVStore:
+    """The pools of one engine; ``allocate`` / ``release`` (sleep and wake) make and drop them."""
+
+    def __init__(self, ops, layout: CacheLayout, num_blocks: int, block_size: int, num_snapshots: int):
+        self.ops, self.layout = ops, layout
+        self.num_blocks, self.block_size, self.num_snapshots = num_blocks, block_size, num_snapshots
+        self.keys: Dict[int, Any] = {}
+        self.values: Dict[int, Any] = {}
+        self.snapshot_conv: Dict[int, Any] = {}
+        self.snapshot_recurrent: Dict[int, Any] = {}
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys) or bool(self.snapshot_recurrent)
+
+    def nbytes(self) -> int:
+        slots = (self.num_blocks + 1) * self.block_size
+        return slots * self.layout.bytes_per_token() + self.num_snapshots * self.layout.bytes_per_state()
+
+    def allocate(self) -> None:
+        ops, layout, slots = self.ops, self.layout, (self.num_blocks + 1) * self.block_size
+        for store, specs in ((self.keys, layout.keys), (self.values, layout.values)):
+            for layer, spec in specs.items():
+                store[layer] = ops.zeros((slots,) + spec.shape, spec.dtype)
+        if self.num_snapshots:
+            for store, specs in ((self.snapshot_conv, layout.conv), (self.snapshot_recurrent, layout.recurrent)):
+                for layer, spec in specs.items():
+                    store[layer] = ops.zeros((self.num_snapshots,) + spec.shape, spec.dtype)
+
+    def release(self) -> None:
+        for store in (self.keys, self.values, self.snapshot_conv, self.snapshot_recurrent):
+            store.clear()
+
+    # ---- slots -----------------------------------------------------------------------------------
+    def slots(self, table: List[int], start: int, end: int) -> np.ndarray:
+        """The pool slots of positions [start, end) of a sequence with block table ``table``."""
+        positions = np.arange(start, end)
+        blocks = np.asarray(table, dtype=np.int64)[positions // self.block_size] + 1
+        return blocks * self.block_size + positions % self.block_size
+
+    def copy_block(self, src: int, dst: int, positions: int) -> None:
+        """Block ``dst`` gets the first ``positions`` rows of block ``src`` (a fork's partial block)."""
+        src_slots = self.slots([src], 0, positions)[None]
+        dst_slots = self.slots([dst], 0, positions)[None]
+        for store in (self.keys, self.values):
+            for pool in store.values():
+                self.ops.write_slots(pool, dst_slots, self.ops.gather_slots(pool, src_slots))
+
+    # ---- state snapshots -------------------------------------------------------------------------
+    def save_snapshot(self, slot: int, conv: Dict[int, Any], recurrent: Dict[int, Any], row: int) -> None:
+        """Row ``row`` of the live states into snapshot ``slot``."""
+        for buffers, states in ((self.snapshot_conv, conv), (self.snapshot_recurrent, recurrent)):
+            for layer, buffer in buffers.items():
+                self.ops.write_rows(buffer, np.asarray([slot]), self.ops.take(states[layer], np.asarray([row]), 0))
+
+    def load_snapshot(self, slot: int) -> Tuple[Dict[int, Any], Dict[int, Any]]:
+        """(conv, recurrent) states of one row, copies of snapshot ``slot``."""
+        take = functools.partial(self.ops.take, indices=np.asarray([slot]), axis=0)
+        return (
+            {layer: take(buffer) for layer, buffer in self.snapshot_conv.items()},
+            {layer: take(buffer) for layer, buffer in self.snapshot_recurrent.items()},
+        )
+
+
+class PagedCache(_ModelCache):
+    """The cache object of one paged forward: ``update`` writes the step's K/V into the pool at
+    ``write`` (B, S) and returns the K/V of ``read`` (B, W + S): each row's earlier positions
+    (padded with the null slot to the widest row's W), then the step's own columns. The attention
+    mask the engine passes covers exactly those columns. Recurrent layers read and write
+    ``conv_states`` / ``recurrent_states`` as with any cache object."""
+
+    is_static = False
+
+    def __init__(self, store: KVStore, write: np.ndarray, read: np.ndarray, past_width: int, conv, recurrent):
+        super().__init__(store.ops, write.shape[0], 1 << 40)
+        self.store, self.write, self.read = store, write, read
+        self.seq_length = past_width
+        self.conv_states, self.recurrent_states = dict(conv), dict(recurrent)
+        self.keys: Dict[int, Any] = {}  # (the contract's attribute; a paged cache keeps K/V in the pool)
+        self.values: Dict[int, Any] = {}
+
+    def update(self, key, value, layer_idx: int):
+        ops, store = self.ops, self.store
+        ops.write_slots(store.keys[layer_idx], self.write, key)
+        ops.write_slots(store.values[layer_idx], self.write, value)
+        return ops.gather_slots(store.keys[layer_idx], self.read), ops.gather_slots(store.values[layer_idx], self.read)
+
+    def attended_length(self) -> int:
+        return self.read.shape[1]
+
+
+def write_past(store: KVStore, past, write: np.ndarray, past_width: int) -> None:
+    """An RFC model's returned past (every layer's (B, H, W + S, D)): its last S columns into the pool."""
+    for layer, (key, value) in enumerate(past):
+        store.ops.write_slots(store.keys[layer], write, key[:, :, past_width:])
+        store.ops.write_slots(store.values[layer], write, value[:, :, past_width:])
+
+
+def read_past(store: KVStore, read: np.ndarray) -> list:
+    """An RFC model's past for a forward: every layer's gathered (B, H, W, D)."""
+    ops = store.ops
+    return [
+        (ops.gather_slots(store.keys[i], read), ops.gather_slots(store.values[i], read)) for i in sorted(store.keys)
+    ]
+
+
+__all__ = ["CacheLayout", "KVStore", "PagedCache", "NULL_SLOT", "write_past", "read_past"]
