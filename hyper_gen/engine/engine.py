@@ -287,12 +287,14 @@ class Engine(EngineControl):
         slot; ``blocks_total`` / ``blocks_used`` / ``blocks_cached`` / ``blocks_free`` of the pool,
         ``kv_cache_usage`` (used / total), ``prefix_cache_queries`` and ``prefix_cache_hits``
         (prompt tokens looked up / found cached, cumulative, as vLLM counts them),
-        ``preemptions``, ``cache_memory_bytes`` and ``block_size``."""
+        ``preemptions``, ``cache_memory_bytes``, ``block_size`` and ``bytes_per_block`` (K and V of
+        every attention layer for one block: a budget of N blocks is N times that)."""
         stats = {"running": len(self._live), "waiting": len(self._waiting)}
         stats.update(self._batch.stats())
         stats["kv_cache_usage"] = stats["blocks_used"] / max(stats["blocks_total"], 1)
         stats["cache_memory_bytes"] = self._batch.cache_memory_bytes
         stats["block_size"] = self._batch.kv.block_size
+        stats["bytes_per_block"] = self._batch.layout.bytes_per_token() * self._batch.kv.block_size
         return stats
 
     # ---- requests ------------------------------------------------------------------------

@@ -347,10 +347,12 @@ class PagedBatch:
     def join(self, entry: Prefill, first_tokens: np.ndarray) -> None:
         """A finished prefill's choices become rows (a resume rejoins with its pending token)."""
         self.prefilling.remove(entry)
-        choices, pending = entry.choices, np.asarray(first_tokens, dtype=np.int64)
+        choices = entry.choices
         if entry.resume:
             pending = np.asarray([entry.choices[0].token_ids[-1]], dtype=np.int64)
-        elif len(choices) > 1:
+        else:
+            pending = np.asarray(first_tokens, dtype=np.int64)
+        if not entry.resume and len(choices) > 1:
             joined = []
             for choice in choices:
                 fork = self.kv.fork(entry.key, choice.key)

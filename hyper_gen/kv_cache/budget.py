@@ -76,9 +76,10 @@ def split_budget(budget_bytes: int, bytes_per_block: int, bytes_per_snapshot: in
     """(blocks, snapshot slots) of a budget: a model without recurrent layers (``bytes_per_snapshot``
     0) puts it all in blocks; a hybrid one gives its snapshots up to ``SNAPSHOT_SHARE`` (at most one
     per ``every_blocks`` blocks: more could never be used)."""
-    if not bytes_per_snapshot:
-        return blocks_for_bytes(budget_bytes, bytes_per_block), 0
+    whole = blocks_for_bytes(budget_bytes, bytes_per_block)  # (a ValueError naming the budget given)
     snapshot_bytes = int(budget_bytes * SNAPSHOT_SHARE)
-    blocks = blocks_for_bytes(budget_bytes - snapshot_bytes, bytes_per_block)
+    blocks = (budget_bytes - snapshot_bytes) // bytes_per_block
+    if not bytes_per_snapshot or blocks < 1:
+        return whole, 0
     slots = min(snapshot_slots_for_bytes(snapshot_bytes, bytes_per_snapshot), max(blocks // every_blocks, 1))
     return blocks, slots
