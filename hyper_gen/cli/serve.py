@@ -42,7 +42,7 @@ def add_serve_flags(parser) -> None:
 
 
 def _check_flags(args) -> None:
-    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"hyper-gen serve needs {' and '.join(missing)}: pip install 'hyper_gen[serve]'")
     if not 0 <= args.port <= 65535:
@@ -74,6 +74,7 @@ def run_serve(args) -> int:
         if sock is None and rank(args.backend) == 0:
             sock = _bind(args)
         from hyper_gen.server.launch import follow, serve  # here: fastapi / uvicorn are optional
+        from hyper_gen.server.metrics import kv_cache_line
 
         try:
             engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
@@ -88,6 +89,9 @@ def run_serve(args) -> int:
         shown = f"[{host}]" if ":" in host else host
 
         def started():
+            cache = kv_cache_line(engine.stats())
+            if cache is not None:
+                print(f"hyper-gen serve: {cache}", file=sys.stderr, flush=True)
             print(
                 f"hyper-gen serve: http://{shown}:{port}/v1 serving {name!r} ({args.backend}, tp {args.tp}, "
                 f"max batch {args.max_batch_size}); Ctrl-C stops",

@@ -7,6 +7,7 @@
 - ``streams``: several engine streams as one SSE response, cancelled when the client leaves,
   interrupted (a 503 / a last error event) when the server stops
 - ``completions``, ``chat``: the two generating endpoints; ``state``: what they share
+- ``metrics``: ``GET /metrics``, the engine's ``stats()`` in Prometheus' text format (vLLM's names)
 - ``app``: ``create_app(engine, tokenizer, model_name)``; ``launch``: uvicorn, signals, ranks,
   and ``BackgroundServer`` (the server on a thread of a program that keeps its model)
 

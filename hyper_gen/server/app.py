@@ -2,7 +2,9 @@
 
 ``create_app(engine, tokenizer, model_name)`` only routes; the engine is started and shut down
 by whoever owns it (``hyper_gen.server.launch``, a test). Endpoints: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``.
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``;
+``GET /metrics`` (Prometheus, ``metrics.py``); vLLM's ``POST /sleep`` (``?abort=true``),
+``POST /wake_up`` and ``GET /is_sleeping`` (the engine frees its KV cache and takes it back).
 Request bodies are read by ``body.read_json`` (content type, size, JSON, strict types).
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from hyper_gen import __version__
 
@@ -19,6 +21,7 @@ from . import errors
 from .body import read_json
 from .chat import create_chat_completion
 from .completions import create_completion
+from .metrics import CONTENT_TYPE, exposition, registry_for
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .state import ServerState
 
@@ -28,6 +31,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: Optional[int] 
     app = FastAPI(title="hyper_gen", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hyper_gen = state
     errors.install(app)
+    registry = registry_for(engine, model_name)
 
     def card() -> ModelCard:
         return ModelCard(id=model_name, created=state.created, max_model_len=state.max_model_len)
@@ -38,6 +42,27 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: Optional[int] 
         if not getattr(engine, "alive", True):
             return JSONResponse({"status": "engine stopped", **state.load()}, status_code=503)
         return {"status": "ok", **state.load()}
+
+    @app.get("/metrics")
+    async def metrics():
+        """``engine.stats()`` in Prometheus' text format (``metrics.py``)."""
+        return Response(exposition(registry), headers={"Content-Type": CONTENT_TYPE})
+
+    @app.post("/sleep")
+    async def sleep(http_request: Request):
+        """Free the engine's KV cache; 409 while requests run or wait unless ``?abort=true``."""
+        await state.sleep(_flag(http_request, "abort"))
+        return {"is_sleeping": state.sleeping}
+
+    @app.post("/wake_up")
+    async def wake_up():
+        """Take the KV cache back; requests are served again."""
+        await state.wake_up()
+        return {"is_sleeping": state.sleeping}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": state.is_sleeping()}
 
     @app.get("/v1/models")
     async def models():
@@ -61,3 +86,16 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: Optional[int] 
         return await create_chat_completion(state, request, http_request)
 
     return app
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
+
+
+def _flag(http_request: Request, name: str) -> bool:
+    """A boolean query parameter (absent: false); any other word is a 400 naming it."""
+    value = http_request.query_params.get(name)
+    if value is None or value.lower() in _FALSE:
+        return False
+    if value.lower() in _TRUE:
+        return True
+    raise errors.bad_value(name, f"{name!r} must be true or false, got {errors.shown(value)}")

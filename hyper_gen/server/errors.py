@@ -3,7 +3,8 @@
 A bad value is HTTP 400 naming its parameter (``param``) and the value sent; an unknown model is
 404 (``code: "model_not_found"``); a body that is not JSON (``body.py``), an unknown field and a
 wrong type are 400s too; an unknown route 404, a wrong method 405, a body that is not sent as
-``application/json`` 415, a server shutting down 503, and anything that fails inside a handler a
+``application/json`` 415, a server shutting down or an engine asleep 503, a sleep the busy engine
+refuses 409, an engine without sleep / wake-up 501, and anything that fails inside a handler a
 500 in the same schema (never Starlette's text/plain). Nothing a client sends reaches the engine
 unless it is valid, so a bad request never disturbs the others.
 """
@@ -63,6 +64,24 @@ def shutting_down() -> APIError:
         status=503,
         code="server_shutting_down",
         type_="service_unavailable",
+    )
+
+
+def engine_sleeping() -> APIError:
+    return APIError(
+        "the engine is asleep (POST /sleep freed its KV cache): POST /wake_up before sending requests",
+        status=503,
+        code="engine_sleeping",
+        type_="service_unavailable",
+    )
+
+
+def not_supported(path: str, method: str, engine) -> APIError:
+    return APIError(
+        f"{path} is not supported: this engine ({type(engine).__name__}) has no {method}",
+        status=501,
+        code="not_implemented",
+        type_="not_implemented_error",
     )
 
 

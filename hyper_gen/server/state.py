@@ -1,5 +1,6 @@
 """What every endpoint shares: the engine, the tokenizer, the served model's name and limits,
-submitting a request's prompts (a prompt the engine rejects is a 400, nothing queued), and the
+submitting a request's prompts (a prompt the engine rejects is a 400, nothing queued; an engine
+asleep a 503), the engine's sleep and wake-up (``POST /sleep``, ``POST /wake_up``), and the
 requests still open when the server stops (``interrupt_all``: each ends with a 503 / a last
 error event, see ``launch``)."""
 
@@ -13,7 +14,7 @@ from typing import List, Optional
 
 from hyper_gen.inputs import ModelLimits
 
-from .errors import APIError, bad_value, shutting_down, unknown_model
+from .errors import APIError, bad_value, engine_sleeping, not_supported, shutting_down, unknown_model
 from .logprobs import TokenStrings
 from .params import field_named
 from .streams import Requests
@@ -34,8 +35,52 @@ class ServerState:
         self._open: "weakref.WeakSet[Requests]" = weakref.WeakSet()  # responses not yet done
 
     def load(self) -> dict:
-        """How busy the engine is: requests admitted and not yet closed, requests queued."""
-        return self.engine.stats()
+        """How busy the engine is: requests admitted and not yet closed, requests queued (the rest
+        of ``engine.stats()``, the KV cache's numbers, is ``GET /metrics``'s)."""
+        stats = self.engine.stats()
+        return {key: stats[key] for key in ("running", "waiting") if key in stats}
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(getattr(self.engine, "is_sleeping", False))
+
+    def is_sleeping(self) -> bool:
+        """``engine.is_sleeping``; a 501 for an engine that cannot sleep."""
+        if not hasattr(self.engine, "is_sleeping"):
+            raise not_supported("GET /is_sleeping", "is_sleeping", self.engine)
+        return self.sleeping
+
+    async def sleep(self, abort: bool) -> None:
+        """``engine.sleep(abort)`` off the event loop (it waits for a step boundary). Busy
+        (requests running or waiting, ``abort`` false) is a 409; asleep already, nothing to do."""
+        method = getattr(self.engine, "sleep", None)
+        if method is None:
+            raise not_supported("POST /sleep", "sleep()", self.engine)
+        if self.sleeping:
+            return
+        try:
+            await asyncio.to_thread(method, abort=abort)
+        except RuntimeError as exc:
+            if self.sleeping:  # another caller put it to sleep meanwhile
+                return
+            load = self.load()
+            hint = ""
+            if not abort and load.get("running", 0) + load.get("waiting", 0) > 0:
+                hint = "; POST /sleep?abort=true aborts the running and waiting requests first"
+            raise APIError(f"the engine cannot sleep now: {exc}{hint}", status=409, code="engine_busy") from None
+
+    async def wake_up(self) -> None:
+        """``engine.wake_up()`` off the event loop; awake already, nothing to do. A failure (the
+        KV cache cannot be allocated again) is a 500 naming it."""
+        method = getattr(self.engine, "wake_up", None)
+        if method is None:
+            raise not_supported("POST /wake_up", "wake_up()", self.engine)
+        if not self.sleeping:
+            return
+        try:
+            await asyncio.to_thread(method)
+        except Exception as exc:
+            raise APIError(f"the engine could not wake up: {type(exc).__name__}: {exc}", status=500) from None
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
@@ -71,6 +116,8 @@ class ServerState:
         context, ...) cancels what was already queued and becomes a 400 naming ``param``."""
         if self.closing:
             raise shutting_down()
+        if self.sleeping:
+            raise engine_sleeping()
         streams = []
         try:
             for ids in prompts:
@@ -80,9 +127,11 @@ class ServerState:
                 stream.cancel()
             field = field_named(str(exc), ("prompt", "prompt_token_ids", "n", "stop", "stop_token_ids", "max_tokens"))
             raise bad_value(param if field.startswith("prompt") or not field else field, str(exc)) from None
-        except RuntimeError as exc:  # the engine is shutting down or has stopped
+        except RuntimeError as exc:  # the engine is shutting down, has stopped, or fell asleep meanwhile
             for stream in streams:
                 stream.cancel()
+            if self.sleeping:
+                raise engine_sleeping() from None
             raise APIError(f"the engine cannot take requests: {exc}", status=503) from None
         requests = Requests(streams)
         self._open.add(requests)
