@@ -83,8 +83,15 @@ def test_n_choices_share_the_prompt_blocks_and_sample_as_generate(root, backend,
         assert engine.stats()["prefix_cache_hits"] == 64
     ref = host(
         generate(
-            model, [prompts[1]], max_new_tokens=5, do_sample=True, temperature=1.3, top_k=10, seed=99,
-            num_return_sequences=3, eos_token_id=None,
+            model,
+            [prompts[1]],
+            max_new_tokens=5,
+            do_sample=True,
+            temperature=1.3,
+            top_k=10,
+            seed=99,
+            num_return_sequences=3,
+            eos_token_id=None,
         )
     )[:, len(prompts[1]) :]
     assert [c.token_ids for c in out.outputs] == ref.tolist()

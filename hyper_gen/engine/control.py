@@ -56,9 +56,10 @@ class Control:
     ``check_error``: the other ranks must still hear of it), the version as text and the sorted
     tensor names, which every rank compares with rank 0's; ``taken`` once a step boundary holds it."""
 
-    def __init__(self, target=None, pause: Optional[bool] = None, update=None, version=None):
+    def __init__(self, target=None, pause: Optional[bool] = None, update=None, version=None, sleep=None):
         self.target = target
         self.pause = pause
+        self.sleep = sleep  # True: free the cache pool (sleep), False: allocate it again (wake_up)
         self.update, self.version = update, version
         self.requests: list = []
         self.outputs: list = []
@@ -199,6 +200,30 @@ class EngineControl:
             return self._control(ticket).outputs
         return self._stage(ticket).outputs
 
+    def sleep(self, abort: bool = False) -> list:
+        """Free the KV cache pool and the prefix cache, at the next step boundary (between a rollout
+        and a training step: vLLM's sleep mode, SGLang's ``release_memory_occupation``). The engine
+        must be idle: with requests running or queued it raises RuntimeError, unless ``abort=True``,
+        which ends them first as ``abort_all`` does (their outputs are returned). While asleep
+        ``submit`` raises RuntimeError; ``wake_up()`` allocates the pool again (the prefix cache
+        starts empty). A no-op when already asleep."""
+        if not isinstance(abort, bool):
+            raise TypeError(f"abort must be a bool, got {abort!r}")
+        if self.world_size > 1:
+            raise RuntimeError("sleep() on a multi-rank engine is not supported yet: shut it down and start a new one")
+        return self._control(Control(ALL if abort else None, sleep=True)).outputs
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache pool again after ``sleep()`` (a no-op when awake)."""
+        if self.world_size > 1:
+            raise RuntimeError("wake_up() on a multi-rank engine is not supported yet")
+        self._control(Control(sleep=False))
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the engine's cache pool is released (``sleep()``)."""
+        return self._asleep
+
     @property
     def weight_version(self):
         """The ``version`` of the last ``update_weights`` applied (None before any)."""
@@ -321,11 +346,16 @@ class EngineControl:
             if ticket.update is not None:
                 try:  # all or nothing: conversion errors come before any write
                     ticket.outputs = ticket.update.apply()
-                    self._weight_version = ticket.version
+                    self._weights_changed(ticket.version)
                 except Exception as error:
                     ticket.error = error
                 ticket.done.set()
                 continue
+            if ticket.sleep is not None:
+                try:
+                    self._set_sleep(ticket.sleep)
+                except Exception as error:
+                    ticket.error = error
             ticket.outputs = [self._output(r) for r in ticket.requests]
             ticket.done.set()
 
@@ -404,7 +434,7 @@ class EngineControl:
                     self._miss(spec["version"], str(error))
                 return
             count = commit()
-            self._weight_version = ticket.version
+            self._weights_changed(ticket.version)
             ticket.outputs = count
         except BaseException as error:
             if ticket is not None and ticket.error is None:
@@ -416,6 +446,31 @@ class EngineControl:
             if self.rank == 0:
                 with self._cond:
                     self._update_ticket = None
+
+    def _weights_changed(self, version) -> None:
+        """After an update: outputs carry ``version``, and nothing the old weights computed is served
+        from the prefix cache again (running rows keep their cache but are never cached)."""
+        self._weight_version = version
+        self._batch.reset_prefix_cache(version_key(version))
+
+    def _set_sleep(self, asleep: bool) -> None:
+        if asleep == self._asleep:
+            return
+        if asleep:
+            with self._cond:
+                busy = [r for r in self._live.values() if not r.closed] + list(self._waiting)
+                if busy:
+                    raise RuntimeError(
+                        f"engine.sleep(): {len(busy)} request(s) are running or queued; let them finish, or call "
+                        "sleep(abort=True) to end them"
+                    )
+                self._asleep = True
+            self._batch.clear()
+            self._batch.sleep()
+        else:
+            self._batch.wake_up()
+            with self._cond:
+                self._asleep = False
 
     def _take_staged(self) -> Optional[Control]:
         """A follower's oldest staged call, waited for up to one heartbeat (None: none came)."""

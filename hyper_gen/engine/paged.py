@@ -30,6 +30,7 @@ the preemptions are the same on every rank (the bookkeeping is deterministic hos
 from __future__ import annotations
 
 import functools
+import gc
 from collections import deque
 from typing import Any, Dict, List, Optional
 
@@ -408,6 +409,20 @@ class PagedBatch:
         for row in self.rows:
             self.kv.free(row.key)
         self._remove([])
+
+    def reset_prefix_cache(self, extra_key) -> None:
+        """Nothing cached so far is served again (a weight update); blocks hash with ``extra_key``."""
+        self.kv.reset(extra_key)
+
+    def sleep(self) -> None:
+        """Release the pool's tensors (the batch is empty) and drop the prefix cache."""
+        self.kv.reset(self.kv.prefix.extra_key)
+        self.store.release()
+        gc.collect()
+        self.ops.release_memory()
+
+    def wake_up(self) -> None:
+        self.store.allocate()
 
     def stats(self) -> Dict[str, int]:
         stats = self.kv.stats()

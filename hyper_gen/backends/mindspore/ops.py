@@ -195,6 +195,11 @@ class MindSporeOps:
     def no_grad(self):
         return ms._no_grad()
 
+    def release_memory(self):
+        # frees the device memory pool's unused blocks on Ascend; MindSpore 2.10's CPU pool keeps them
+        # (reused by the next allocation: docs/kv_cache.md)
+        ms.runtime.empty_cache()
+
     def is_distributed(self, x):
         return hyperparallel.is_dtensor(x)  # MindSpore's own sharding has no distributed tensor type
 

@@ -142,6 +142,12 @@ class TorchOps:
     def no_grad(self):
         return torch.no_grad()
 
+    def release_memory(self):
+        # CPU tensors go back to the allocator (and large ones to the OS) when dropped; CUDA and
+        # torch_npu cache them until asked
+        if self.device.type in ("cuda", "npu"):
+            getattr(torch, self.device.type).empty_cache()
+
     def is_distributed(self, x):
         return isinstance(x, DTensor) or hyperparallel.is_dtensor(x)
 

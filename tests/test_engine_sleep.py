@@ -1,0 +1,101 @@
+"""Engine.sleep() / wake_up() between rollouts, and the prefix cache across a weight update, torch and
+MindSpore: asleep the pool is released (torch's RSS drops by the pool's bytes) and submit is refused;
+woken, the same prompt gives the same tokens; a busy engine refuses to sleep unless told to abort; after
+update_weights nothing the old weights computed is served from the prefix cache."""
+
+import time
+
+import numpy as np
+import psutil
+import pytest
+from demo_task import DEMO_MODEL_DIR
+from safetensors.numpy import load_file
+
+from hyper_gen import generate, load_model
+from hyper_gen.engine import Engine, SamplingParams
+
+BACKENDS = ["torch", "mindspore"]
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(8, 99, 40)]
+_MODELS = {}
+
+
+def demo(backend):
+    if backend not in _MODELS:
+        _MODELS[backend] = load_model(DEMO_MODEL_DIR, backend=backend)
+    return _MODELS[backend]
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, **kw)
+
+
+def host(tensor):
+    return tensor.asnumpy() if hasattr(tensor, "asnumpy") else tensor.numpy()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sleep_and_wake_up_keep_the_tokens(backend, one_torch_thread):
+    with Engine(demo(backend), block_size=8, state_snapshot_blocks=1) as engine:
+        before = engine.submit(PROMPT, greedy(6)).result(timeout=60).outputs[0].token_ids
+        assert engine.stats()["blocks_cached"] > 0
+        assert engine.sleep() == [] and engine.is_sleeping
+        assert engine.sleep() == []  # a no-op
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.submit(PROMPT, greedy(2))
+        engine.wake_up()
+        assert not engine.is_sleeping
+        stats = engine.stats()
+        assert stats["blocks_cached"] == 0 and stats["blocks_used"] == 0  # the prefix cache went with the pool
+        after = engine.submit(PROMPT, greedy(6)).result(timeout=60)
+    assert after.outputs[0].token_ids == before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_busy_engine_sleeps_only_when_told_to_abort(backend, one_torch_thread):
+    with Engine(demo(backend)) as engine:
+        stream = engine.submit(PROMPT, greedy(400, ignore_eos=True))
+        next(iter(stream))
+        with pytest.raises(RuntimeError, match=r"1 request\(s\) are running or queued.*abort=True"):
+            engine.sleep()
+        assert not engine.is_sleeping
+        outputs = engine.sleep(abort=True)
+        assert engine.is_sleeping and [o.outputs[0].finish_reason for o in outputs] == ["abort"]
+        assert stream.result(timeout=30).outputs[0].finish_reason == "abort"
+        engine.wake_up()
+        assert engine.submit(PROMPT, greedy(2)).result(timeout=60).outputs[0].token_ids
+    with pytest.raises(TypeError, match="abort must be a bool"):
+        Engine(demo(backend)).sleep(abort="yes")
+
+
+def test_sleep_hands_the_pool_back_to_the_os_on_torch(one_torch_thread):
+    """RSS falls by at least 90% of the pool's bytes asleep, and comes back on wake_up."""
+    process = psutil.Process()
+    with Engine(demo("torch"), cache_memory_bytes=256 << 20) as engine:
+        engine.submit(PROMPT, greedy(2)).result(timeout=60)
+        pool = engine.stats()["cache_memory_bytes"]
+        awake = process.memory_info().rss
+        engine.sleep()
+        time.sleep(0.2)
+        asleep = process.memory_info().rss
+        engine.wake_up()
+        woken = process.memory_info().rss
+    assert awake - asleep >= 0.9 * pool, (awake, asleep, pool)
+    assert woken - asleep >= 0.9 * pool, (woken, asleep, pool)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_weight_update_empties_the_prefix_cache(backend, one_torch_thread):
+    weights = load_file(f"{DEMO_MODEL_DIR}/model.safetensors")
+    rng = np.random.default_rng(1)
+    new = {k: v + rng.normal(0, 0.02, v.shape).astype(v.dtype) for k, v in weights.items()}
+    model = load_model(DEMO_MODEL_DIR, backend=backend)
+    with Engine(model, block_size=8, state_snapshot_blocks=1) as engine:
+        engine.submit(PROMPT, greedy(4)).result(timeout=60)
+        engine.submit(PROMPT, greedy(4)).result(timeout=60)
+        hits = engine.stats()["prefix_cache_hits"]
+        assert hits == 32  # 4 of the 40-token prompt's 8-token blocks (its last token is always recomputed)
+        engine.update_weights(new.items(), version=2)
+        out = engine.submit(PROMPT, greedy(4, ignore_eos=True)).result(timeout=60)
+        assert engine.stats()["prefix_cache_hits"] == hits  # nothing computed by the old weights is reused
+    ref = host(generate(model, [PROMPT], max_new_tokens=4, eos_token_id=None))[0, len(PROMPT) :]
+    assert out.outputs[0].token_ids == ref.tolist()
