@@ -16,8 +16,11 @@
 - ``offline``: a JSONL job with in-flight batching vs fixed micro-batches, on mixed output lengths.
 - ``update``: ``update_weights`` with every tensor of a checkpoint vs ``load_model`` of it.
 - ``logprobs``: float32 rollout logprobs vs ``score()`` of the same tokens, against a float64 reference.
+- ``engine``: the paged engine: prefix caching on vs off, peak cache bytes vs live tokens, running
+  rows' latency while a long prompt is prefilled in chunks, a GRPO group vs generate and HF, and
+  what paging costs a decode step.
 
-Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs] ...`` (``loop`` when none is
+Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs|engine] ...`` (``loop`` when none is
 named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command> --help`` explains every flag
 with its default. MindSpore's and transformers' own logs are errors only (``GLOG_v=3``, unless
 set), as in the rest of the CLI; ``-v`` shows them.
@@ -113,6 +116,7 @@ def build_parser() -> OneLineParser:
     rollout.add_argument("--repeats", type=positive, default=1, help="timed runs; the fastest is kept")
     rollout.add_argument("--threads", type=positive, default=1, help="torch threads per rank")
     rollout.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    from .engine import add_parser as add_engine_parser
     from .logprobs import add_parser as add_logprobs_parser
     from .offline import add_parser as add_offline_parser
     from .serve import add_parser as add_serve_parser
@@ -122,6 +126,7 @@ def build_parser() -> OneLineParser:
     add_offline_parser(sub)
     add_update_parser(sub)
     add_logprobs_parser(sub)
+    add_engine_parser(sub)
     return parser
 
 
@@ -135,7 +140,11 @@ def main(argv=None):
         quiet_framework_logs()  # before the command imports a framework (MindSpore reads it then)
     if getattr(args, "min_prompt_len", 0) > getattr(args, "prompt_len", 0) and args.which == "models":
         parser.error(f"--min-prompt-len ({args.min_prompt_len}) must not exceed --prompt-len ({args.prompt_len})")
-    if args.which == "serve":
+    if args.which == "engine":
+        from .engine import run_engine
+
+        run_engine(args)
+    elif args.which == "serve":
         from .serve import run_serve_bench
 
         run_serve_bench(args)
