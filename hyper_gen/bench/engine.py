@@ -21,12 +21,14 @@ Greedy throughout; the host (CPU, ISA, threads) is printed, since ratios move be
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 
 from hyper_gen.generation import generate
 from hyper_gen.host import describe_host
+from hyper_gen.kv_cache.manager import DEFAULT_STATE_SNAPSHOT_BLOCKS
 from hyper_gen.models.loading import load_model
 
 from .models import SHAPES, make_checkpoint
@@ -47,6 +49,12 @@ def add_parser(sub):
         "--max-num-batched-tokens", type=positive, default=2048, help="the engine's per-step token budget"
     )
     parser.add_argument("--block-size", type=positive, default=16, help="positions per KV block")
+    parser.add_argument(
+        "--state-snapshot-blocks",
+        type=positive,
+        default=DEFAULT_STATE_SNAPSHOT_BLOCKS,
+        help="blocks between Gated DeltaNet state snapshots (where a hybrid prefix hit may end)",
+    )
     parser.add_argument("--cache-dir", default=CACHE_DIR, help="where the random-weight checkpoint is written once")
     return parser
 
@@ -60,25 +68,37 @@ def _greedy(n, **kw):
 def _engine(model, args, **kw):
     from hyper_gen.engine import Engine
 
-    settings = dict(max_batch_size=64, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
+    settings = dict(
+        max_batch_size=64,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        state_snapshot_blocks=args.state_snapshot_blocks,
+    )
     settings.update(kw)
     return Engine(model, **settings)
 
 
+def _stamped(stream, stamps: list) -> None:
+    """Append the arrival time of each of ``stream``'s chunks that carries tokens."""
+    for chunk in stream:
+        if chunk.token_ids:
+            stamps.append(time.perf_counter())
+
+
 def _timed_requests(engine, requests):
-    """Submit every (prompt, params) at once; (wall s, new tokens, TTFTs, per-request token times)."""
+    """Submit every (prompt, params) at once, each stream read on its own thread (so a chunk is
+    stamped when it arrives): (wall s, new tokens, TTFTs, per-request chunk arrival times)."""
     start = time.perf_counter()
     streams = [engine.submit(p, params) for p, params in requests]
-    ttft, times, tokens = [], [], 0
-    for stream in streams:
-        stamps = []
-        for chunk in stream:
-            if chunk.token_ids:
-                stamps.append(time.perf_counter())
-        times.append(stamps)
-        ttft.append(stamps[0] - start)
-        tokens += len(stream.result().outputs[0].token_ids)
-    return time.perf_counter() - start, tokens, ttft, times
+    times = [[] for _ in streams]
+    readers = [threading.Thread(target=_stamped, args=(s, t)) for s, t in zip(streams, times)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    wall = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for s in streams for c in s.result().outputs)
+    return wall, tokens, [t[0] - start for t in times], times
 
 
 def prefix(model, args, vocab, rng):
@@ -128,26 +148,29 @@ def memory(model, args, vocab, rng):
 def chunked(model, args, vocab, rng):
     with _engine(model, args) as engine:
         rows = [engine.submit(rng.integers(10, vocab, 16).tolist(), _greedy(96)) for _ in range(16)]
-        next(iter(rows[0]))
-        time.sleep(0.3)  # the rows are decoding
-        start = time.perf_counter()
+        stamps = [[] for _ in rows]
+        readers = [threading.Thread(target=_stamped, args=(s, t)) for s, t in zip(rows, stamps)]
+        for reader in readers:
+            reader.start()
+        while len(stamps[0]) < 8:  # the rows are decoding
+            time.sleep(0.01)
+        arrived = time.perf_counter()
         long = engine.submit(rng.integers(10, vocab, 4096).tolist(), _greedy(2))
-        stamps = []
-        for stream in rows:
-            stamps.append([time.perf_counter() for chunk in stream if chunk.token_ids])
-        long_s = long.result().outputs and time.perf_counter() - start
-    # gaps of the tokens the rows received after the long prompt arrived
-    gaps = np.concatenate([np.diff([t for t in s]) for s in stamps])
-    ttft = long_s
+        first = []
+        _stamped(long, first)
+        for reader in readers:
+            reader.join()
+    # the gaps between the rows' tokens from the long prompt's arrival to its first token, and after
+    gaps = np.concatenate([np.diff([t for t in s if t >= arrived]) for s in stamps])
+    p50, p99 = np.median(gaps), np.percentile(gaps, 99)
     print(
         f"chunked prefill: 16 rows decoding, one 4096-token prompt arrives (max_num_batched_tokens "
-        f"{args.max_num_batched_tokens})"
+        f"{args.max_num_batched_tokens}); its first token after {first[0] - arrived:.2f} s"
     )
     print(
-        f"  running rows' inter-token latency p50 {np.median(gaps) * 1e3:.1f} ms, p99 "
-        f"{np.percentile(gaps, 99) * 1e3:.1f} ms -> p99 {np.percentile(gaps, 99) / np.median(gaps):.2f}x p50 (bar 3x)"
+        f"  running rows' inter-token latency p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms -> "
+        f"p99 {p99 / p50:.2f}x p50 (bar 3x); longest gap {gaps.max() * 1e3:.0f} ms"
     )
-    print(f"  the long prompt's request took {ttft:.2f} s")
 
 
 def grpo(model, args, vocab, rng, hf_model=None):
@@ -180,51 +203,45 @@ def grpo(model, args, vocab, rng, hf_model=None):
         print(f"  HF generate:                 {tokens / hf_s:8.1f} tok/s  -> engine {hf_s / wall:.2f}x")
 
 
-def _time_decodes(batch) -> list:
-    """Record how long each of the batch's decode forwards takes (seconds, appended to the list returned)."""
-    decode, timings = batch.decode, []
-
-    def timed():
+def _engine_step_s(model, args, prompts, steps: int = 32) -> float:
+    """Median seconds of one engine step (a decode of every row, token choice included) once every
+    prompt is prefilled, the engine stepped on this thread as generate() runs on it."""
+    engine = _engine(model, args).start(background=False)
+    for prompt in prompts:
+        engine.submit(prompt, _greedy(steps + 8))
+    while engine._batch.prefilling:
+        engine.step()
+    timings = []
+    for _ in range(steps):
         start = time.perf_counter()
-        out = decode()
+        engine.step()
         timings.append(time.perf_counter() - start)
-        return out
+    engine.shutdown()
+    return float(np.median(timings))
 
-    batch.decode = timed
-    return timings
+
+def _generate_step_s(model, prompts, steps: int = 32) -> float:
+    """Seconds of one generate() decode step (dynamic cache): (steps + 1 tokens - 1 token) / steps."""
+    ids = np.asarray(prompts)
+    best = []
+    for new in (steps + 1, 1):
+        runs = []
+        for _ in range(2):
+            start = time.perf_counter()
+            generate(model, ids, max_new_tokens=new, eos_token_id=None, do_sample=False, cache_implementation="dynamic")
+            runs.append(time.perf_counter() - start)
+        best.append(min(runs))
+    return (best[0] - best[1]) / steps
 
 
 def step(model, args, vocab, rng):
-    print("step: one decode step, paged engine vs generate()'s dynamic cache (prompt 256, 64 new)")
+    print("step: one decode step (256-token prompts), the paged engine's vs generate()'s with a dynamic cache")
     for rows in (1, 16):
         prompts = [rng.integers(10, vocab, 256).tolist() for _ in range(rows)]
-        with _engine(model, args) as engine:
-            timings = _time_decodes(engine._batch)
-            _timed_requests(engine, [(p, _greedy(64)) for p in prompts])
-        start = time.perf_counter()
-        generate(
-            model,
-            np.asarray(prompts),
-            max_new_tokens=64,
-            eos_token_id=None,
-            do_sample=False,
-            cache_implementation="dynamic",
-        )
-        gen_total = time.perf_counter() - start
-        start = time.perf_counter()
-        generate(
-            model,
-            np.asarray(prompts),
-            max_new_tokens=1,
-            eos_token_id=None,
-            do_sample=False,
-            cache_implementation="dynamic",
-        )
-        gen_step = (gen_total - (time.perf_counter() - start)) / 63
-        paged = float(np.median(timings[1:]))
+        paged, plain = _engine_step_s(model, args, prompts), _generate_step_s(model, prompts)
         print(
-            f"  batch {rows:2d}: paged forward {paged * 1e3:7.2f} ms, generate step {gen_step * 1e3:7.2f} ms "
-            f"-> paging costs {paged / gen_step - 1:+.1%} (bar +10%)"
+            f"  batch {rows:2d}: engine step {paged * 1e3:7.2f} ms, generate step {plain * 1e3:7.2f} ms "
+            f"-> paging costs {paged / plain - 1:+.1%} (bar +10%)"
         )
 
 
@@ -236,7 +253,10 @@ def run_engine(args):
     path = make_checkpoint(args.shape, args.cache_dir)
     vocab = SHAPES[args.shape]["vocab_size"]
     print(describe_host())
-    print(f"shape {args.shape}; block_size {args.block_size}; max_num_batched_tokens {args.max_num_batched_tokens}")
+    print(
+        f"shape {args.shape}; block_size {args.block_size}; max_num_batched_tokens {args.max_num_batched_tokens}; "
+        f"state_snapshot_blocks {args.state_snapshot_blocks}"
+    )
     for backend in args.backends.split(","):
         print(f"== {backend}")
         model = load_model(path, backend=backend, dtype="float32")

@@ -40,7 +40,6 @@ from ..drivers import ForwardSignature, logits_of, past_of
 from ..kv_cache import KVCacheManager, budget
 from ..masks import min_finite, prefill_mask
 from ..outputs import RoutedExperts
-from ..positions import cumsum_positions
 from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, read_past, write_past
 
 
@@ -228,6 +227,24 @@ class PagedBatch:
             end = min(end, boundary)
         return end
 
+    def _shares_a_prefix_in_flight(self, entry: Prefill) -> bool:
+        """Whether a prefill under way is still computing a prefix this one could hit (32 requests
+        with one system prompt, admitted together: the first computes it, the others wait for it
+        rather than each computing it)."""
+        if not self.kv.enable_prefix_caching:
+            return False
+        unit = self.snapshot_every or self.kv.block_size  # where a hit may end
+        tokens = np.asarray(entry.tokens)
+        for other in self.prefilling:
+            if other is entry or not other.allocated or other.computed >= len(other.tokens):
+                continue
+            n = min(len(tokens) - 1, len(other.tokens))  # (a hit leaves its last token to compute)
+            same = np.flatnonzero(tokens[:n] != np.asarray(other.tokens[:n]))
+            shared = (int(same[0]) if same.size else n) // unit * unit
+            if shared > other.computed // unit * unit:
+                return True
+        return False
+
     def _schedule(self) -> list:
         """(entry, start, end) of the chunks this step computes, within the token budget."""
         budget = max(self.max_num_batched_tokens - len(self.rows), 1)
@@ -236,6 +253,8 @@ class PagedBatch:
             if budget <= 0:
                 break
             if not entry.allocated:
+                if self._shares_a_prefix_in_flight(entry):
+                    continue  # it will hit that prefix once computed, instead of computing it again
                 allocation = self.kv.allocate_for(entry.key, entry.tokens, new_tokens=budget)
                 while allocation is None:  # the pool is full: a younger prefill gives its blocks back
                     younger = [e for e in self.prefilling if e.allocated and e is not entry]
@@ -260,81 +279,73 @@ class PagedBatch:
         return chunks
 
     def prefill_step(self) -> List[Finished]:
-        """Compute this step's chunks; the prefills that completed (or failed)."""
-        chunks = self._schedule()
-        whole = [c for c in chunks if c[1] == 0 and c[2] == len(c[0].tokens)]
-        alone = [c for c in chunks if c not in whole]
+        """Compute this step's chunks, batched (``_batches``); the prefills that completed or failed."""
         finished: List[Finished] = []
-        if len(whole) > 1:
+        for chunks in _batches(self._schedule()):
             try:
-                finished += self._prefill_group([c[0] for c in whole])
-            except Exception:  # find the one that fails; the others are fine alone
-                alone = whole + alone
-        else:
-            alone = whole + alone
-        for entry, start, end in alone:
-            try:
-                done = self._prefill_alone(entry, start, end)
-            except Exception as error:
-                self._discard(entry)
-                finished.append(Finished(entry, error=error))
+                finished += self._prefill(chunks)
                 continue
-            if done is not None:
-                finished.append(done)
+            except Exception as error:
+                if len(chunks) == 1:
+                    self._discard(chunks[0][0])
+                    finished.append(Finished(chunks[0][0], error=error))
+                    continue
+            for chunk in chunks:  # find the one that fails; the others are fine alone
+                try:
+                    finished += self._prefill([chunk])
+                except Exception as error:
+                    self._discard(chunk[0])
+                    finished.append(Finished(chunk[0], error=error))
         return finished
 
     def _wants_routes(self, entry: Prefill) -> bool:
         return not entry.resume and bool(getattr(entry.request.params, "return_routed_experts", False))
 
-    def _prefill_group(self, entries: List[Prefill]) -> List[Finished]:
-        width = max(len(e.tokens) for e in entries)
-        ids = np.zeros((len(entries), width), dtype=np.int64)
-        valid = np.zeros((len(entries), width), dtype=bool)
-        write = np.full((len(entries), width), NULL_SLOT, dtype=np.int64)
-        for j, entry in enumerate(entries):
-            n = len(entry.tokens)
-            ids[j, width - n :], valid[j, width - n :] = entry.tokens, True
-            write[j, width - n :] = self._slots(entry.key, 0, n)
-        routes = any(self._wants_routes(e) for e in entries)
+    def _prefill(self, chunks) -> List[Finished]:
+        """One forward over chunks (entry, start, end): fresh ones (start 0) left-padded to the
+        longest; chunks after a past all of one length (``_batches``), each row reading its own past."""
+        b = len(chunks)
+        width = max(end - start for _, start, end in chunks)
+        past = max(start for _, start, _ in chunks)
+        ids = np.zeros((b, width), dtype=np.int64)
+        valid = np.zeros((b, width), dtype=bool)
+        positions = np.zeros((b, width), dtype=np.int64)
+        past_valid = np.zeros((b, past), dtype=bool)
+        read = np.full((b, past + width), NULL_SLOT, dtype=np.int64)
+        for j, (entry, start, end) in enumerate(chunks):
+            n, slots = end - start, self._slots(entry.key, 0, end)
+            ids[j, width - n :], valid[j, width - n :] = entry.tokens[start:end], True
+            positions[j, width - n :] = np.arange(start, end)
+            past_valid[j, :start], read[j, :start], read[j, past + width - n :] = True, slots[:start], slots[start:]
+        states = {}
+        if chunks[0][0].conv or chunks[0][0].recurrent:  # rows after a past: every one has its state
+            for name in ("conv", "recurrent"):
+                layers = getattr(chunks[0][0], name)
+                states[name] = {i: self.ops.concat([getattr(e, name)[i] for e, _, _ in chunks], 0) for i in layers}
+        final = [end == len(entry.tokens) for entry, _, end in chunks]
+        routes = any(f and self._wants_routes(entry) for f, (entry, _, _) in zip(final, chunks))
         logits, conv, recurrent, routed = self._forward(
             ids,
-            cumsum_positions(valid.astype(np.int64)),
-            np.zeros((len(entries), 0), dtype=bool),
+            positions,
+            past_valid,
             valid,
-            write,
-            write,
-            {},
-            {},
+            read[:, past:],
+            read,
+            states.get("conv", {}),
+            states.get("recurrent", {}),
             routes,
         )
         finished = []
-        for j, entry in enumerate(entries):
-            entry.conv = {layer: self.ops.take(t, np.asarray([j]), 0) for layer, t in conv.items()}
-            entry.recurrent = {layer: self.ops.take(t, np.asarray([j]), 0) for layer, t in recurrent.items()}
-            entry.computed = len(entry.tokens)
-            self._cache(entry.key, entry.tokens, entry.conv, entry.recurrent, 0)
-            row_logits = self.ops.take(logits, np.asarray([j]), 0)
-            finished.append(Finished(entry, row_logits, None if routed is None else routed[j : j + 1]))
+        for j, (entry, _, end) in enumerate(chunks):
+            row = np.asarray([j])
+            entry.conv = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in conv.items()}
+            entry.recurrent = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in recurrent.items()}
+            entry.computed = end
+            self._cache(entry.key, entry.tokens[:end], entry.conv, entry.recurrent, 0)
+            if final[j]:
+                row_logits = logits if b == 1 else self.ops.take(logits, row, 0)
+                finished.append(Finished(entry, row_logits, None if routed is None else routed[j : j + 1]))
         return finished
-
-    def _prefill_alone(self, entry: Prefill, start: int, end: int) -> Optional[Finished]:
-        tokens = np.asarray([entry.tokens[start:end]], dtype=np.int64)
-        slots = self._slots(entry.key, 0, end)[None]
-        final = end == len(entry.tokens)
-        logits, entry.conv, entry.recurrent, routed = self._forward(
-            tokens,
-            np.arange(start, end, dtype=np.int64)[None],
-            np.ones((1, start), dtype=bool),
-            np.ones(tokens.shape, dtype=bool),
-            slots[:, start:],
-            slots,
-            entry.conv,
-            entry.recurrent,
-            final and self._wants_routes(entry),
-        )
-        entry.computed = end
-        self._cache(entry.key, entry.tokens[:end], entry.conv, entry.recurrent, 0)
-        return Finished(entry, logits, routed) if final else None
 
     def _discard(self, entry: Prefill) -> None:
         """Take a prefill out of the queue, its blocks back to the pool."""
@@ -432,6 +443,18 @@ class PagedBatch:
 
 def row_kept(i: int, gone: List[int]) -> bool:
     return i not in gone
+
+
+def _batches(chunks) -> list:
+    """The step's chunks in forwards: the fresh ones (no past, no state: left padding is masked out
+    of the linear layers' state by ``prompt_mask``) together; the others together by chunk length
+    (no padding: a padded position would decay a recurrent state it follows)."""
+    fresh = [c for c in chunks if c[1] == 0]
+    groups: Dict[int, list] = {}
+    for chunk in chunks:
+        if chunk[1] > 0:
+            groups.setdefault(chunk[2] - chunk[1], []).append(chunk)
+    return ([fresh] if fresh else []) + list(groups.values())
 
 
 def build_paged_batch(
