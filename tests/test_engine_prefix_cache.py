@@ -190,3 +190,32 @@ def test_bad_cache_settings_name_the_field(root, field, value, error):
 def test_a_budget_smaller_than_a_block_is_refused(root):
     with pytest.raises(ValueError, match="cache_memory_bytes=10 cannot hold one KV cache block"):
         Engine(model_of(root, "dense", "torch"), cache_memory_bytes=10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens(root, backend, one_torch_thread):
+    """A 300-token row and three 5-token rows: the step splits them in two forwards by length (one
+    forward would gather every short row padded to 300 positions); tokens are generate()'s, and the
+    MoE routing of each row comes back in its own order."""
+    from hyper_gen.engine import paged
+
+    assert [g.tolist() for g in paged.length_groups(np.array([5, 3000, 6, 5]))] == [[0, 3, 2], [1]]
+    assert [g.tolist() for g in paged.length_groups(np.array([5, 300, 6, 5]))] == [[0, 1, 2, 3]]  # < 2048 saved
+    assert [g.tolist() for g in paged.length_groups(np.array([5, 300, 6, 5]), padding=256)] == [[0, 3, 2], [1]]
+    model = model_of(root, "moe", backend)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(8, VOCAB, n).tolist() for n in (5, 300, 6, 5)]
+    with Engine(model, enable_prefix_caching=False) as engine:
+        engine._batch.split_padding = 256  # (the tiny model's context is 512 positions)
+        decodes, forward = [], engine._batch._decode_rows
+        engine._batch._decode_rows = lambda rows, routes: decodes.append(len(rows)) or forward(rows, routes)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
+        outs = [s.result(timeout=120) for s in [engine.submit(p, params) for p in prompts]]
+    assert 1 in decodes  # the long row alone
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference(model, prompt, 6)
+        ref = generate(
+            model, [prompt], max_new_tokens=6, eos_token_id=None, return_routed_experts=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        np.testing.assert_array_equal(out.outputs[0].routed_experts, ref.routed_experts[0])

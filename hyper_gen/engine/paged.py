@@ -89,6 +89,7 @@ class PagedBatch:
         self.prefilling: deque = deque()
         self.routed: Optional[np.ndarray] = None  # (B, moe_layers, top_k) of the last decode, when asked
         self.preemptions = 0
+        self.split_padding = SPLIT_PADDING
 
     def __len__(self) -> int:
         """Rows running plus the choices of the requests still prefilling (the engine's slot count)."""
@@ -149,32 +150,56 @@ class PagedBatch:
 
     # ---- decode --------------------------------------------------------------------------------
     def decode(self):
-        """One token for every row (after preempting what the pool cannot hold): (B, V) logits."""
+        """One token for every row (after preempting what the pool cannot hold): (B, V) logits. Rows
+        of very different lengths decode in separate forwards (``length_groups``): one forward reads
+        every row's K/V padded to the longest row's, which for one long row among short ones costs
+        more than a second forward."""
         self._reserve()
         if not self.rows:
             return None
-        b, width = len(self.rows), int(self.lengths.max())
+        groups = length_groups(self.lengths, self.split_padding)
+        routes = any(getattr(row.request.params, "return_routed_experts", False) for row in self.rows)
+        if len(groups) == 1:
+            logits, self.conv, self.recurrent, self.routed = self._decode_rows(np.arange(len(self.rows)), routes)
+            self.lengths = self.lengths + 1
+            return logits
+        outs = [self._decode_rows(rows, routes) for rows in groups]
+        back = np.argsort(np.concatenate(groups), kind="stable")  # the rows' places in the groups' order
+        ops = self.ops
+        logits = ops.take(ops.concat([out[0] for out in outs], 0), back, 0)
+        for index, name in ((1, "conv"), (2, "recurrent")):
+            setattr(
+                self, name, {i: ops.take(ops.concat([o[index][i] for o in outs], 0), back, 0) for i in outs[0][index]}
+            )
+        routed = [out[3] for out in outs]
+        self.routed = None if routed[0] is None else np.concatenate(routed)[back]
+        self.lengths = self.lengths + 1
+        return logits
+
+    def _decode_rows(self, rows: np.ndarray, routes: bool):
+        """One decode forward over the rows at indices ``rows`` (all of them, in order, or a group)."""
+        whole = len(rows) == len(self.rows)
+        lengths = self.lengths[rows]
+        b, width = len(rows), int(lengths.max())
         read = np.full((b, width + 1), NULL_SLOT, dtype=np.int64)
         past_valid = np.zeros((b, width), dtype=bool)
-        for i, row in enumerate(self.rows):
-            n = int(self.lengths[i])
-            slots = self._slots(row.key, 0, n + 1)
+        for i, row in enumerate(rows):
+            n = int(lengths[i])
+            slots = self._slots(self.rows[row].key, 0, n + 1)
             read[i, :n], read[i, width] = slots[:n], slots[n]
             past_valid[i, :n] = True
-        routes = any(getattr(row.request.params, "return_routed_experts", False) for row in self.rows)
-        logits, self.conv, self.recurrent, self.routed = self._forward(
-            self.pending[:, None],
-            self.lengths[:, None],
+        pick = (lambda t: t) if whole else (lambda t: self.ops.take(t, rows, 0))
+        return self._forward(
+            self.pending[rows][:, None],
+            lengths[:, None],
             past_valid,
             np.ones((b, 1), dtype=bool),
             read[:, width:],
             read,
-            self.conv,
-            self.recurrent,
+            {i: pick(t) for i, t in self.conv.items()},
+            {i: pick(t) for i, t in self.recurrent.items()},
             routes,
         )
-        self.lengths = self.lengths + 1
-        return logits
 
     def cache_decoded(self) -> None:
         """After a decode's tokens are chosen: hash the blocks it filled (and snapshot a recurrent
@@ -443,6 +468,37 @@ class PagedBatch:
 
 def row_kept(i: int, gone: List[int]) -> bool:
     return i not in gone
+
+
+# a decode splits its rows in two forwards where that saves gathering at least this many padding
+# positions, and more than the rows' own positions (docs/kv_cache.md)
+SPLIT_PADDING = 2048
+
+
+def length_groups(lengths: np.ndarray, padding: int = SPLIT_PADDING, most: int = 4) -> List[np.ndarray]:
+    """The rows (indices) of a decode step in at most ``most`` forwards, by length: the group of the
+    longest rows is split off while that saves more padding than ``SPLIT_PADDING`` and than the
+    group's own positions (``padding``). One group (all rows, in order) in the usual case."""
+    order = np.argsort(lengths, kind="stable")
+    groups = [order]
+    while len(groups) < most:
+        best = None
+        for g, rows in enumerate(groups):
+            sizes = lengths[rows]
+            if len(rows) < 2:
+                continue
+            cut = np.arange(1, len(rows))
+            saving = cut * (sizes[-1] - sizes[cut - 1])
+            k = int(np.argmax(saving))
+            if saving[k] > max(padding, int(sizes.sum())) and (best is None or saving[k] > best[0]):
+                best = (int(saving[k]), g, int(cut[k]))
+        if best is None:
+            break
+        _, g, k = best
+        groups[g : g + 1] = [groups[g][:k], groups[g][k:]]
+    if len(groups) == 1:
+        return [np.arange(len(lengths))]
+    return groups
 
 
 def _batches(chunks) -> list:
