@@ -39,7 +39,7 @@ SCENARIOS = ("prefix", "memory", "chunked", "grpo", "step")
 def add_parser(sub):
     from .arguments import CACHE_DIR, add_command, backend_list, positive
 
-    parser = add_command(sub, "engine", "paged engine: prefix caching, memory, chunked prefill, GRPO, step cost")
+    parser = add_command(sub, "engine", "the paged engine: prefix cache, memory, chunked prefill, GRPO")
     parser.add_argument("--shape", default="mid", choices=sorted(SHAPES), help="checkpoint shape")
     parser.add_argument("--backends", type=backend_list, default="torch", help="backends, one at a time")
     parser.add_argument(
@@ -173,33 +173,48 @@ def chunked(model, args, vocab, rng):
     )
 
 
-def grpo(model, args, vocab, rng, hf_model=None):
-    prompts = [rng.integers(10, vocab, 64).tolist() for _ in range(16)]
-    new = 32
-    with _engine(model, args, max_batch_size=128) as engine:
+GRPO_PROMPTS, GRPO_N, GRPO_NEW = 16, 8, 32
+
+
+def _grpo_prompts(vocab):
+    rng = np.random.default_rng(0)
+    return [rng.integers(10, vocab, 64).tolist() for _ in range(GRPO_PROMPTS)]
+
+
+def hf_grpo_s(path, vocab) -> float:
+    """Seconds of HF ``generate`` on the GRPO batch (greedy, every row to GRPO_NEW tokens): the anchor."""
+    import torch  # the HF anchor's framework, here: `import hyper_gen.bench` imports none
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    with torch.no_grad():
+        start = time.perf_counter()
+        hf.generate(
+            torch.tensor(_grpo_prompts(vocab)),
+            max_new_tokens=GRPO_NEW,
+            min_new_tokens=GRPO_NEW,
+            do_sample=False,
+            num_return_sequences=GRPO_N,
+        )
+        return time.perf_counter() - start
+
+
+def grpo(model, args, vocab, rng, hf_s=None):
+    prompts = _grpo_prompts(vocab)
+    tokens = GRPO_PROMPTS * GRPO_N * GRPO_NEW
+    with _engine(model, args, max_batch_size=GRPO_PROMPTS * GRPO_N) as engine:
         engine.submit(prompts[0][:8], _greedy(2)).result()
-        wall, tokens, _, _ = _timed_requests(engine, [(p, _greedy(new, n=8)) for p in prompts])
-        tokens = 16 * 8 * new
+        wall, _, _, _ = _timed_requests(engine, [(p, _greedy(GRPO_NEW, n=GRPO_N)) for p in prompts])
     start = time.perf_counter()
-    generate(model, np.asarray(prompts), max_new_tokens=new, num_return_sequences=8, eos_token_id=None, do_sample=False)
+    generate(
+        model, np.asarray(prompts), max_new_tokens=GRPO_NEW, num_return_sequences=GRPO_N, eos_token_id=None,
+        do_sample=False,
+    )  # fmt: skip
     gen_s = time.perf_counter() - start
-    print(f"grpo: 16 prompts x n=8, 64 prompt tokens, {new} new each ({tokens} tokens)")
+    print(f"grpo: {GRPO_PROMPTS} prompts x n={GRPO_N}, 64 prompt tokens, {GRPO_NEW} new each ({tokens} tokens)")
     print(f"  engine:                      {tokens / wall:8.1f} tok/s")
     print(f"  generate(num_return_seq=8):  {tokens / gen_s:8.1f} tok/s  -> engine {gen_s / wall:.2f}x")
-    if hf_model is not None:
-        import torch
-
-        with torch.no_grad():
-            start = time.perf_counter()
-            hf_model.generate(
-                torch.tensor(prompts),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                num_return_sequences=8,
-                num_beams=1,
-            )
-            hf_s = time.perf_counter() - start
+    if hf_s is not None:
         print(f"  HF generate:                 {tokens / hf_s:8.1f} tok/s  -> engine {hf_s / wall:.2f}x")
 
 
@@ -257,18 +272,14 @@ def run_engine(args):
         f"shape {args.shape}; block_size {args.block_size}; max_num_batched_tokens {args.max_num_batched_tokens}; "
         f"state_snapshot_blocks {args.state_snapshot_blocks}"
     )
+    hf_s = hf_grpo_s(path, vocab) if "grpo" in scenarios else None
     for backend in args.backends.split(","):
         print(f"== {backend}")
         model = load_model(path, backend=backend, dtype="float32")
         for name in scenarios:
             rng = np.random.default_rng(0)
             if name == "grpo":
-                hf = None
-                if backend == "torch":
-                    from transformers import AutoModelForCausalLM
-
-                    hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
-                grpo(model, args, vocab, rng, hf)
+                grpo(model, args, vocab, rng, hf_s)
             else:
                 globals()[name](model, args, vocab, rng)
 
