@@ -11,7 +11,7 @@ backend at a time, in one run:
   counted in both), and what a ragged right-aligned cache (every row as long as the longest) held.
 - ``chunked``: 16 rows decoding when one 4096-token prompt arrives: the running rows' inter-token
   latency p50 / p99 (the prompt is prefilled ``max_num_batched_tokens`` at a time between steps).
-- ``grpo``: 16 prompts x n=8 (a GRPO group each): engine tokens/s vs ``hyper_gen.generate(...,
+- ``grpo``: 16 prompts x n=8 sampled (a GRPO group each): engine tokens/s vs ``hyper_gen.generate(...,
   num_return_sequences=8)`` on the same batch, and vs HF ``generate``.
 - ``step``: a decode step through the paged cache vs generate()'s dynamic cache, at batch 1 and 16
   (what paging costs a step), and where an engine step's time goes.
@@ -21,6 +21,7 @@ Greedy throughout; the host (CPU, ISA, threads) is printed, since ratios move be
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -59,10 +60,10 @@ def add_parser(sub):
     return parser
 
 
-def _greedy(n, **kw):
+def _greedy(max_tokens, **kw):
     from hyper_gen.engine import SamplingParams
 
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
 def _engine(model, args, **kw):
@@ -193,22 +194,26 @@ def hf_grpo_s(path, vocab) -> float:
             torch.tensor(_grpo_prompts(vocab)),
             max_new_tokens=GRPO_NEW,
             min_new_tokens=GRPO_NEW,
-            do_sample=False,
+            do_sample=True,
+            top_k=0,
             num_return_sequences=GRPO_N,
         )
         return time.perf_counter() - start
 
 
 def grpo(model, args, vocab, rng, hf_s=None):
+    from hyper_gen.engine import SamplingParams
+
     prompts = _grpo_prompts(vocab)
     tokens = GRPO_PROMPTS * GRPO_N * GRPO_NEW
     with _engine(model, args, max_batch_size=GRPO_PROMPTS * GRPO_N) as engine:
         engine.submit(prompts[0][:8], _greedy(2)).result()
-        wall, _, _, _ = _timed_requests(engine, [(p, _greedy(GRPO_NEW, n=GRPO_N)) for p in prompts])
+        sampled = [SamplingParams(max_tokens=GRPO_NEW, n=GRPO_N, temperature=1.0, seed=i) for i in range(len(prompts))]
+        wall, _, _, _ = _timed_requests(engine, list(zip(prompts, sampled)))
     start = time.perf_counter()
     generate(
         model, np.asarray(prompts), max_new_tokens=GRPO_NEW, num_return_sequences=GRPO_N, eos_token_id=None,
-        do_sample=False,
+        do_sample=True, top_k=0, seed=0,
     )  # fmt: skip
     gen_s = time.perf_counter() - start
     print(f"grpo: {GRPO_PROMPTS} prompts x n={GRPO_N}, 64 prompt tokens, {GRPO_NEW} new each ({tokens} tokens)")
@@ -277,6 +282,7 @@ def run_engine(args):
         print(f"== {backend}")
         model = load_model(path, backend=backend, dtype="float32")
         for name in scenarios:
+            gc.collect()  # what the scenario before left is not collected inside this one's timings
             rng = np.random.default_rng(0)
             if name == "grpo":
                 grpo(model, args, vocab, rng, hf_s)

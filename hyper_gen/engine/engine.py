@@ -556,8 +556,9 @@ class Engine(EngineControl):
                 self._forget(gone)
             if plan.update is not None:  # a multi-rank update_weights: every rank, here
                 self._apply_update(plan.update)
-            if plan.shutdown:
+            if plan.shutdown:  # the pool goes now, not whenever a garbage collection finds the engine
                 self._batch.clear()
+                self._batch.store.release()
                 return
             if plan.hold:  # paused: the rows keep their cache, nothing runs
                 return
