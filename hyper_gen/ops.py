@@ -58,7 +58,9 @@ class Ops(Protocol):
 
     # in place: must really write (MindSpore CPU silently ignores copy_/index_copy_)
     def write_slice(self, buf: Tensor, axis: int, start: int, value: Tensor) -> None: ...
-    # rows of a buffer by host index, in place: buf[rows] = values (values (len(rows), *buf.shape[1:]))
+    # a zeroed buffer whose rows are written in place (the paged KV pool, state snapshots), and that write:
+    # buf[rows] = values (values (len(rows), *buf.shape[1:]))
+    def buffer(self, shape: Sequence[int], dtype: str) -> Tensor: ...
     def write_rows(self, buf: Tensor, rows: np.ndarray, values: Tensor) -> None: ...
 
     # the paged KV pool (N slots, H, D): a (B, T) host table of slots read as (B, H, T, D) K/V, and

@@ -84,6 +84,10 @@ def test_a_sampling_flag_implies_sampling(cli):
         (["bench", "models", "--repeats", "x"], ["--repeats: must be an integer, got 'x'"]),
         (["bench", "models", "--threads", "-1"], ["--threads: must be >= 0, got -1"]),
         (["bench", "serve", "--concurrency", "1,0"], ["--concurrency", "'1,0'"]),
+        (["serve", "--block-size", "0"], ["--block-size must be >= 1, got 0"]),
+        (["serve", "--max-num-batched-tokens", "-4"], ["--max-num-batched-tokens must be >= 1, got -4"]),
+        (["serve", "--cache-memory-bytes", "100"], ["cache_memory_bytes=100 cannot hold one KV cache block"]),
+        (["bench", "engine", "--scenarios", "prefix,nope"], ["--scenarios: 'nope' is not one of prefix"]),
     ],
 )
 def test_bad_flags_are_one_line_errors(args, needles, cli):

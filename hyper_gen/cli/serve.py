@@ -7,6 +7,7 @@ ranks exit 0 when rank 0 is stopped (SIGINT / SIGTERM).
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 
@@ -35,6 +36,26 @@ def add_serve_flags(parser) -> None:
         help="prompt + completion tokens at most (default: the model's context)",
     )
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV blocks of common prompt prefixes between requests (default: on)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="positions per KV cache block (default: 16)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens a step computes at most; longer prompts are prefilled in chunks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cache-memory-bytes",
+        type=int,
+        default=None,
+        help="the KV cache pool's bytes (default: what --max-batch-size rows of --max-model-len could use, "
+        "within a quarter of the available memory)",
+    )
+    parser.add_argument(
         "--served-model-name",
         default=None,
         help=f"the name clients pass as 'model' (default: the --model value, or {DEMO_NAME!r})",
@@ -51,6 +72,10 @@ def _check_flags(args) -> None:
         raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    for flag in ("block_size", "max_num_batched_tokens", "cache_memory_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UsageError("--served-model-name must not be empty")
 
@@ -77,7 +102,16 @@ def run_serve(args) -> int:
         from hyper_gen.server.metrics import kv_cache_line
 
         try:
-            engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+            engine = Engine(
+                model,
+                tokenizer,
+                max_batch_size=args.max_batch_size,
+                max_model_len=args.max_model_len,
+                enable_prefix_caching=args.enable_prefix_caching,
+                block_size=args.block_size,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                cache_memory_bytes=args.cache_memory_bytes,
+            )
         except (TypeError, ValueError) as exc:
             raise UsageError(str(exc)) from None
         if rank(args.backend) != 0:

@@ -127,11 +127,11 @@ class KVStore:
         ops, layout, slots = self.ops, self.layout, (self.num_blocks + 1) * self.block_size
         for store, specs in ((self.keys, layout.keys), (self.values, layout.values)):
             for layer, spec in specs.items():
-                store[layer] = ops.zeros((slots,) + spec.shape, spec.dtype)
+                store[layer] = ops.buffer((slots,) + spec.shape, spec.dtype)
         if self.num_snapshots:
             for store, specs in ((self.snapshot_conv, layout.conv), (self.snapshot_recurrent, layout.recurrent)):
                 for layer, spec in specs.items():
-                    store[layer] = ops.zeros((self.num_snapshots,) + spec.shape, spec.dtype)
+                    store[layer] = ops.buffer((self.num_snapshots,) + spec.shape, spec.dtype)
 
     def release(self) -> None:
         for store in (self.keys, self.values, self.snapshot_conv, self.snapshot_recurrent):

@@ -128,6 +128,9 @@ class TorchOps:
     def _index(self, rows, device):
         return torch.as_tensor(np.asarray(rows, dtype=np.int64).reshape(-1), device=device)
 
+    def buffer(self, shape, dtype):
+        return self.zeros(shape, dtype)
+
     def write_rows(self, buf, rows, values):
         buf.index_copy_(0, self._index(rows, buf.device), values.to(buf.dtype))
 
