@@ -32,7 +32,6 @@ every later ``submit``. No wait is unbounded by design: streams are always close
 from __future__ import annotations
 
 import itertools
-import numbers
 import threading
 import uuid
 from collections import deque
@@ -41,13 +40,13 @@ from typing import List, Optional
 import numpy as np
 
 from ..config import model_defaults
-from ..drivers import ForwardSignature, is_hf_model
 from ..inputs import ModelLimits
 from ..kv_cache.manager import DEFAULT_STATE_SNAPSHOT_BLOCKS
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, gather_vocab_logits, parallel_group
 from ..registry import backend_for, thread_initializer
 from ..scoring import prompt_top_logprobs
+from .checks import check_engine_model, check_prompt_ids, check_request, positive_int
 from .control import Control, EngineControl, RecentIds
 from .outputs import ChoiceOutput, CompletionChunk, RequestOutput, prompt_logprob_entries
 from .paged import build_paged_batch
@@ -58,41 +57,9 @@ from .routes import keep_route, routed_experts
 from .selector import select
 from .stream import RequestStream
 
-_NEEDED = ("past_key_values", "attention_mask", "position_ids")
-
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error of its own; the cause is chained (``__cause__``)."""
-
-
-def check_engine_model(model) -> None:
-    """TypeError unless the engine can batch ``model``: a native (cache-object) model, or an RFC
-    model whose forward takes past_key_values, attention_mask and position_ids."""
-    if model is None or not callable(model):
-        raise TypeError(f"model must be a callable model (torch.nn.Module / mindspore.nn.Cell), got {model!r}")
-    if is_hf_model(model):
-        raise TypeError(
-            f"the engine does not batch unmodified HF transformers models ({type(model).__name__}); load the "
-            "checkpoint with hyper_gen.load_model(path) (native Qwen3.5), or use hyper_gen.generate for HF models"
-        )
-    if getattr(getattr(model, "cp_plan", None), "cp", 1) > 1:
-        raise TypeError(
-            "the engine does not batch context-parallel models yet (each rank holds a slice of every row's "
-            "cache, which the engine's row splicing would break): use hyper_gen.generate, or load with cp=1"
-        )
-    signature = ForwardSignature(model)
-    missing = [name for name in _NEEDED if not signature.accepts(name)]
-    if missing:
-        raise TypeError(
-            f"the engine needs a model whose forward takes {', '.join(_NEEDED)} (a cache-object model from "
-            f"load_model, or the RFC contract); {type(model).__name__}'s forward takes no {', '.join(missing)}"
-        )
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 class Engine(EngineControl):
@@ -134,20 +101,20 @@ class Engine(EngineControl):
         check_engine_model(model)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        block_size = _positive_int("block_size", block_size)
-        max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        state_snapshot_blocks = _positive_int("state_snapshot_blocks", state_snapshot_blocks)
+        block_size = positive_int("block_size", block_size)
+        max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        state_snapshot_blocks = positive_int("state_snapshot_blocks", state_snapshot_blocks)
         if cache_memory_bytes is not None:
-            cache_memory_bytes = _positive_int("cache_memory_bytes", cache_memory_bytes)
+            cache_memory_bytes = positive_int("cache_memory_bytes", cache_memory_bytes)
         self.model = model
         self.tokenizer = tokenizer
-        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
-        self.admit_batch = min(_positive_int("admit_batch", admit_batch), self.max_batch_size)
+        self.max_batch_size = positive_int("max_batch_size", max_batch_size)
+        self.admit_batch = min(positive_int("admit_batch", admit_batch), self.max_batch_size)
         self.ops = backend_for(model)
         limits = ModelLimits.of(model)
         self.vocab_size = limits.vocab_size
         if max_model_len is not None:
-            max_model_len = _positive_int("max_model_len", max_model_len)
+            max_model_len = positive_int("max_model_len", max_model_len)
             if limits.context is not None and max_model_len > limits.context:
                 raise ValueError(
                     f"max_model_len={max_model_len} is more than the model's context of {limits.context} positions "
@@ -375,41 +342,8 @@ class Engine(EngineControl):
         )
 
     def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> List[int]:
-        ids = np.asarray(prompt_token_ids)
-        if ids.dtype == bool or ids.dtype == object or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-            raise TypeError(f"prompt_token_ids must be a list of ints (token ids), got dtype {ids.dtype}")
-        if ids.ndim != 1:
-            raise ValueError(f"prompt_token_ids must be one flat list of ids, got shape {ids.shape}")
-        if ids.size == 0:
-            raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.vocab_size
-        outside = np.flatnonzero((ids < 0) | (ids >= vocab if vocab else ids < 0))
-        if outside.size:
-            i = int(outside[0])
-            limit = f"0..{vocab - 1} (the model's vocabulary of {vocab})" if vocab else "non-negative"
-            raise ValueError(f"prompt_token_ids[{i}] = {int(ids[i])} is not a token id: ids are {limit}")
-        if self.max_model_len is not None and ids.size + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt's {ids.size} tokens + max_tokens={params.max_tokens} = {ids.size + params.max_tokens} "
-                f"positions, more than max_model_len={self.max_model_len}: shorten the prompt or lower max_tokens"
-            )
-        kv = self._batch.kv
-        if not kv.can_ever_fit(ids.size + params.max_tokens):
-            raise ValueError(
-                f"the prompt's {ids.size} tokens + max_tokens={params.max_tokens} need "
-                f"{kv.blocks_needed(ids.size + params.max_tokens)} KV cache blocks of {kv.block_size} positions, more "
-                f"than the engine's whole pool of {kv.num_blocks} "
-                f"(cache_memory_bytes={self._batch.cache_memory_bytes}): raise cache_memory_bytes, or shorten the "
-                "prompt or max_tokens"
-            )
-        if params.return_routed_experts:
-            self._batch.check_routes()  # ValueError: the model has no MoE layers
-        if params.n > self.max_batch_size:
-            raise ValueError(f"n={params.n} is more than the engine's max_batch_size={self.max_batch_size}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs text: give the Engine a tokenizer")
-        if vocab and params.stop_token_ids and max(params.stop_token_ids) >= vocab:
-            raise ValueError(f"stop_token_ids {params.stop_token_ids} holds an id outside the vocabulary of {vocab}")
+        ids = check_prompt_ids(prompt_token_ids, self.vocab_size)
+        check_request(self, ids.size, params)
         return [int(t) for t in ids]
 
     def _cancel(self, serial: int) -> None:

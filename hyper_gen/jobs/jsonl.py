@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from hyper_gen.config import MAX_NEW_TOKENS
 from hyper_gen.engine import Engine, EngineDeadError, SamplingParams
-from hyper_gen.engine.engine import check_engine_model
+from hyper_gen.engine.checks import check_engine_model
 from hyper_gen.models.checkpoint import Checkpoint
 
 from .complete import completions
