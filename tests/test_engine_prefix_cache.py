@@ -219,3 +219,10 @@ def test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens(root, 
             return_dict_in_generate=True,
         )  # fmt: skip
         np.testing.assert_array_equal(out.outputs[0].routed_experts, ref.routed_experts[0])
+
+
+def test_max_prefill_tokens_is_the_old_name_of_the_step_budget(root):
+    with pytest.warns(DeprecationWarning, match="max_num_batched_tokens"):
+        engine = Engine(model_of(root, "dense", "torch"), max_prefill_tokens=64)
+    assert engine._batch.max_num_batched_tokens == 64
+

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+import warnings
 from collections import deque
 from typing import List, Optional
 
@@ -97,8 +98,16 @@ class Engine(EngineControl):
         max_num_batched_tokens=2048,
         cache_memory_bytes=None,
         state_snapshot_blocks=DEFAULT_STATE_SNAPSHOT_BLOCKS,
+        max_prefill_tokens=None,
     ):
         check_engine_model(model)
+        if max_prefill_tokens is not None:  # the ragged engine's name for the step's prompt budget
+            warnings.warn(
+                "Engine(max_prefill_tokens=...) is now max_num_batched_tokens (prompts are prefilled in chunks)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            max_num_batched_tokens = max_prefill_tokens
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         block_size = positive_int("block_size", block_size)
