@@ -254,7 +254,7 @@ def test_bad_control_calls_name_what_is_wrong(backend, tokenizer, one_torch_thre
 
 
 @pytest.mark.distributed
-def test_tp2_ranks_agree_after_abort_all_and_pause_resume():
+def test_tp2_ranks_agree_after_abort_all_pause_resume_and_sleep():
     result = torchrun([script("engine_tp_control.py")], timeout=240)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
@@ -264,5 +264,9 @@ def test_tp2_ranks_agree_after_abort_all_and_pause_resume():
     assert checks["abort_reasons"] == ["abort"] * 4 and checks["abort_prefix"], checks
     assert checks["keep_equals_generate"] and checks["held"] and checks["late"], checks
     assert checks["pause_abort"] == "abort" and checks["after_resume"], checks
+    # sleep / wake_up travel in the plan: both ranks release their pool and allocate it again
+    assert checks["busy_refused"] and checks["sleep_abort"] == ["abort"] and checks["asleep_refuses"], checks
+    assert checks["after_wake"], checks
+    assert found[0]["sleeps"] == found[1]["sleeps"] == [[True, True, False], [False, False, True]], found
     # the follower ran the same steps on the same rows and drew the same tokens
     assert found[1]["trace"] == checks["trace"] and found[1]["tokens"] == checks["tokens"], (found[1], checks)

@@ -225,4 +225,3 @@ def test_max_prefill_tokens_is_the_old_name_of_the_step_budget(root):
     with pytest.warns(DeprecationWarning, match="max_num_batched_tokens"):
         engine = Engine(model_of(root, "dense", "torch"), max_prefill_tokens=64)
     assert engine._batch.max_num_batched_tokens == 64
-

@@ -60,6 +60,7 @@ class Control:
         self.target = target
         self.pause = pause
         self.sleep = sleep  # True: free the cache pool (sleep), False: allocate it again (wake_up)
+        self.planned = False  # a multi-rank sleep / wake_up: named in a step plan
         self.update, self.version = update, version
         self.requests: list = []
         self.outputs: list = []
@@ -209,14 +210,10 @@ class EngineControl:
         starts empty). A no-op when already asleep."""
         if not isinstance(abort, bool):
             raise TypeError(f"abort must be a bool, got {abort!r}")
-        if self.world_size > 1:
-            raise RuntimeError("sleep() on a multi-rank engine is not supported yet: shut it down and start a new one")
         return self._control(Control(ALL if abort else None, sleep=True)).outputs
 
     def wake_up(self) -> None:
         """Allocate the KV cache pool again after ``sleep()`` (a no-op when awake)."""
-        if self.world_size > 1:
-            raise RuntimeError("wake_up() on a multi-rank engine is not supported yet")
         self._control(Control(sleep=False))
 
     @property
@@ -314,6 +311,12 @@ class EngineControl:
             tickets.append(ticket)
         aborted: List = []
         for ticket in tickets:
+            if ticket.sleep is not None and self.world_size > 1:  # every rank's pool: in a plan (_plan_sleep)
+                if self._sleep_ticket is not None:
+                    self._controls.append(ticket)  # after the one already waiting for its plan
+                    ticket.planned = None  # (not settled with this step's tickets)
+                    continue
+                self._sleep_ticket = ticket
             if ticket.target is not None:
                 ticket.requests = self._targets(ticket)
                 for request in ticket.requests:
@@ -322,7 +325,10 @@ class EngineControl:
                 aborted += ticket.requests
             if ticket.pause is not None:
                 self._paused = ticket.pause
-        return aborted, tickets
+        deferred = [t for t in tickets if t.planned is None]
+        for ticket in deferred:
+            ticket.planned = False
+        return aborted, [t for t in tickets if t not in deferred]
 
     def _targets(self, ticket: Control) -> list:
         candidates = sorted([*self._waiting, *self._live.values()], key=lambda r: r.serial)
@@ -340,6 +346,8 @@ class EngineControl:
         for request in aborted:
             self._abort(request)
         for ticket in tickets:
+            if ticket is self._sleep_ticket:  # a multi-rank sleep: done once its plan ran (_apply_sleep)
+                continue
             if ticket.collective:  # refused before any plan named it (shutdown): the error is set
                 ticket.done.set()
                 continue
@@ -452,6 +460,46 @@ class EngineControl:
         from the prefix cache again (running rows keep their cache but are never cached)."""
         self._weight_version = version
         self._batch.reset_prefix_cache(version_key(version))
+
+    def _plan_sleep(self, ending) -> Optional[bool]:
+        """A multi-rank sleep / wake_up for the next plan (lock held): None when there is none, or it
+        is refused because requests other than ``ending`` still run or wait."""
+        ticket = self._sleep_ticket
+        if ticket is None or ticket.planned:
+            return None
+        busy = [r for r in [*self._live.values(), *self._waiting] if not r.closed and r not in ending]
+        if ticket.sleep and busy:
+            ticket.error = RuntimeError(
+                f"engine.sleep(): {len(busy)} request(s) are running or queued; let them finish, or call "
+                "sleep(abort=True) to end them"
+            )
+            self._sleep_ticket = None
+            ticket.done.set()
+            return None
+        ticket.planned = True
+        return ticket.sleep
+
+    def _apply_sleep(self, asleep: bool) -> None:
+        """Every rank, at the boundary rank 0's plan names: release or allocate this rank's pool."""
+        ticket = self._sleep_ticket if self.rank == 0 else None
+        try:
+            if asleep != self._asleep:
+                if asleep:
+                    self._batch.clear()
+                    self._batch.sleep()
+                else:
+                    self._batch.wake_up()
+                with self._cond:
+                    self._asleep = asleep
+        except BaseException as error:
+            if ticket is not None:
+                ticket.error = error
+            raise
+        finally:
+            if ticket is not None:
+                ticket.outputs = [self._output(r) for r in ticket.requests]
+                self._sleep_ticket = None
+                ticket.done.set()
 
     def _set_sleep(self, asleep: bool) -> None:
         if asleep == self._asleep:

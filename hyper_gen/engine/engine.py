@@ -152,6 +152,7 @@ class Engine(EngineControl):
                 max_model_len=self.max_model_len,
             )
         self._asleep = False
+        self._sleep_ticket: Optional[Control] = None  # rank 0 of a multi-rank engine: the sleep / wake_up to plan
         self._cond = threading.Condition()  # guards everything below that other threads touch
         self._waiting: deque = deque()  # rank 0: submitted, not admitted
         self._cancels: set = set()  # rank 0: serials whose streams asked to cancel
@@ -288,7 +289,7 @@ class Engine(EngineControl):
         noise_seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(0, 2**63))
         with self._cond:
             self._check_running()
-            if self._asleep:
+            if self._asleep or (self._sleep_ticket is not None and self._sleep_ticket.sleep):
                 raise RuntimeError("the engine is asleep (engine.sleep()): call engine.wake_up() before submitting")
             request = Request(next(self._serials), request_id, prompt, params, noise_seed)
             request.stream = RequestStream(request_id, lambda: self._cancel(request.serial))
@@ -402,7 +403,7 @@ class Engine(EngineControl):
 
     def _idle(self, plan: StepPlan) -> bool:
         """Whether running ``plan`` would change nothing: no row joins or leaves and none decodes."""
-        return not (plan.admissions or plan.drops or plan.shutdown or plan.update) and (
+        return not (plan.admissions or plan.drops or plan.shutdown or plan.update or plan.sleep is not None) and (
             plan.hold or not len(self._batch)
         )
 
@@ -434,8 +435,10 @@ class Engine(EngineControl):
         aborted, tickets = self._take_controls()
         cancelled += aborted
         drops = self._take_drops([r for r in cancelled if r.choices])
-        if self._paused:
-            return StepPlan(drops=drops, hold=True, update=self._update_spec()), cancelled, tickets
+        sleep = self._plan_sleep(cancelled)
+        if self._paused or self._asleep or sleep is not None:
+            plan = StepPlan(drops=drops, hold=self._paused, update=self._update_spec(), sleep=sleep)
+            return plan, cancelled, tickets
         admissions = []
         free = self.max_batch_size - len(self._batch) + sum(1 for d in drops if self._in_batch(d))
         wanted = sum(r.params.n for r in itertools.islice(self._waiting, self.admit_batch))
@@ -499,6 +502,8 @@ class Engine(EngineControl):
                 self._forget(gone)
             if plan.update is not None:  # a multi-rank update_weights: every rank, here
                 self._apply_update(plan.update)
+            if plan.sleep is not None:  # a multi-rank sleep / wake_up: every rank, here
+                self._apply_sleep(plan.sleep)
             if plan.shutdown:  # the pool goes now, not whenever a garbage collection finds the engine
                 self._batch.clear()
                 self._batch.store.release()

@@ -40,10 +40,11 @@ class StepPlan:
     shutdown: bool = False
     hold: bool = False  # paused: drop what ``drops`` names, then run nothing
     update: Optional[dict] = None  # {"version": key, "names": [...] or None}: apply update_weights here
+    sleep: Optional[bool] = None  # True: release the cache pool here (sleep), False: allocate it (wake_up)
 
     @property
     def empty(self) -> bool:
-        return not (self.admissions or self.drops or self.shutdown or self.hold or self.update)
+        return not (self.admissions or self.drops or self.shutdown or self.hold or self.update) and self.sleep is None
 
     def encode(self) -> str:
         if self.empty:
@@ -57,6 +58,7 @@ class StepPlan:
                 "shutdown": self.shutdown,
                 "hold": self.hold,
                 "update": self.update,
+                "sleep": self.sleep,
             }
         )
 
@@ -72,7 +74,9 @@ class StepPlan:
             for serial, request_id, prompt, params, seed in data["admit"]
         ]
         drops = [tuple(d) for d in data["drop"]]
-        return cls(admissions, drops, bool(data["shutdown"]), bool(data.get("hold")), data.get("update"))
+        return cls(
+            admissions, drops, bool(data["shutdown"]), bool(data.get("hold")), data.get("update"), data.get("sleep")
+        )
 
 
 def share_plan(ops, plan: StepPlan = None) -> StepPlan:

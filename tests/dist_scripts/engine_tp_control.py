@@ -30,8 +30,13 @@ steps, tokens = [], {}  # every executed plan: (hold, rows after it); each choic
 execute = engine._execute
 
 
+sleeps = []  # every sleep / wake_up plan this rank ran: (asleep asked, is_sleeping after, pool allocated after)
+
+
 def traced(plan):
     execute(plan)
+    if plan.sleep is not None:
+        sleeps.append([plan.sleep, engine.is_sleeping, engine._batch.store.allocated])
     rows = engine._batch.rows
     steps.append([plan.hold, [[c.request.serial, c.index, len(c.token_ids)] for c in rows]])
     for c in rows:
@@ -47,7 +52,12 @@ def say(label, value):
 
 
 def trace():
-    return {"trace": hashlib.sha1(json.dumps(steps).encode()).hexdigest(), "steps": len(steps), "tokens": tokens}
+    return {
+        "trace": hashlib.sha1(json.dumps(steps).encode()).hexdigest(),
+        "steps": len(steps),
+        "tokens": tokens,
+        "sleeps": sleeps,
+    }
 
 
 if rank != 0:
@@ -115,4 +125,21 @@ with engine:
     engine.resume()
     after = engine.submit(ids[1], SamplingParams(max_tokens=5, temperature=0)).result(timeout=120)
     checks["after_resume"] = after.outputs[0].token_ids == reference(ids[1], 5)
+
+    running = engine.submit(ids[2], long)
+    next(iter(running))
+    try:
+        engine.sleep()  # a request runs: refused on rank 0, no plan
+        checks["busy_refused"] = False
+    except RuntimeError as error:
+        checks["busy_refused"] = "abort=True" in str(error)
+    checks["sleep_abort"] = [o.outputs[0].finish_reason for o in engine.sleep(abort=True)]
+    try:
+        engine.submit(ids[3], long)
+        checks["asleep_refuses"] = False
+    except RuntimeError:
+        checks["asleep_refuses"] = True
+    engine.wake_up()
+    again = engine.submit(ids[1], SamplingParams(max_tokens=5, temperature=0)).result(timeout=120)
+    checks["after_wake"] = again.outputs[0].token_ids == reference(ids[1], 5)
 say("RESULT", dict(checks, **trace()))
