@@ -71,7 +71,8 @@ def test_a_busy_engine_sleeps_only_when_told_to_abort(backend, one_torch_thread)
 
 
 def test_sleep_hands_the_pool_back_to_the_os_on_torch(one_torch_thread):
-    """RSS falls by at least 90% of the pool's bytes asleep, and comes back on wake_up."""
+    """RSS falls by at least 90% of the pool's bytes asleep (what wake_up allocates again may reuse
+    memory the process had freed, so its growth is not asserted; the tokens after it are, above)."""
     process = psutil.Process()
     with Engine(demo("torch"), cache_memory_bytes=256 << 20) as engine:
         engine.submit(PROMPT, greedy(2)).result(timeout=60)
@@ -81,9 +82,8 @@ def test_sleep_hands_the_pool_back_to_the_os_on_torch(one_torch_thread):
         time.sleep(0.2)
         asleep = process.memory_info().rss
         engine.wake_up()
-        woken = process.memory_info().rss
+        assert engine._batch.store.allocated
     assert awake - asleep >= 0.9 * pool, (awake, asleep, pool)
-    assert woken - asleep >= 0.9 * pool, (woken, asleep, pool)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
