@@ -78,6 +78,13 @@ def version_key(version) -> str:
     return json.dumps(version, sort_keys=True, default=repr)
 
 
+def _busy(requests) -> RuntimeError:
+    return RuntimeError(
+        f"engine.sleep(): {len(requests)} request(s) are running or queued; let them finish, or call "
+        "sleep(abort=True) to end them"
+    )
+
+
 def _describe(error: BaseException) -> str:
     return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
@@ -469,10 +476,7 @@ class EngineControl:
             return None
         busy = [r for r in [*self._live.values(), *self._waiting] if not r.closed and r not in ending]
         if ticket.sleep and busy:
-            ticket.error = RuntimeError(
-                f"engine.sleep(): {len(busy)} request(s) are running or queued; let them finish, or call "
-                "sleep(abort=True) to end them"
-            )
+            ticket.error = _busy(busy)
             self._sleep_ticket = None
             ticket.done.set()
             return None
@@ -484,13 +488,7 @@ class EngineControl:
         ticket = self._sleep_ticket if self.rank == 0 else None
         try:
             if asleep != self._asleep:
-                if asleep:
-                    self._batch.clear()
-                    self._batch.sleep()
-                else:
-                    self._batch.wake_up()
-                with self._cond:
-                    self._asleep = asleep
+                self._switch_pool(asleep)
         except BaseException as error:
             if ticket is not None:
                 ticket.error = error
@@ -502,23 +500,26 @@ class EngineControl:
                 ticket.done.set()
 
     def _set_sleep(self, asleep: bool) -> None:
+        """A single-process sleep / wake_up, settled at the step boundary its ticket was taken at."""
         if asleep == self._asleep:
             return
         if asleep:
             with self._cond:
                 busy = [r for r in self._live.values() if not r.closed] + list(self._waiting)
                 if busy:
-                    raise RuntimeError(
-                        f"engine.sleep(): {len(busy)} request(s) are running or queued; let them finish, or call "
-                        "sleep(abort=True) to end them"
-                    )
-                self._asleep = True
+                    raise _busy(busy)
+                self._asleep = True  # (under the lock: a submit from now on is refused)
+        self._switch_pool(asleep)
+
+    def _switch_pool(self, asleep: bool) -> None:
+        """Release (``asleep``) or allocate this rank's cache pool."""
+        if asleep:
             self._batch.clear()
             self._batch.sleep()
         else:
             self._batch.wake_up()
-            with self._cond:
-                self._asleep = False
+        with self._cond:
+            self._asleep = asleep
 
     def _take_staged(self) -> Optional[Control]:
         """A follower's oldest staged call, waited for up to one heartbeat (None: none came)."""

@@ -49,6 +49,7 @@ class Prefill:
     def __init__(self, key, tokens: List[int], choices: list, request=None, resume: bool = False):
         self.key = key  # its sequence in the manager
         self.tokens = tokens
+        self.ids = np.asarray(tokens, dtype=np.int64)  # (compared with other prefills' each step it waits)
         self.choices = choices  # who joins the rows when it is done
         self.request = request
         self.resume = resume
@@ -259,12 +260,12 @@ class PagedBatch:
         if not self.kv.enable_prefix_caching:
             return False
         unit = self.snapshot_every or self.kv.block_size  # where a hit may end
-        tokens = np.asarray(entry.tokens)
+        tokens = entry.ids
         for other in self.prefilling:
             if other is entry or not other.allocated or other.computed >= len(other.tokens):
                 continue
             n = min(len(tokens) - 1, len(other.tokens))  # (a hit leaves its last token to compute)
-            same = np.flatnonzero(tokens[:n] != np.asarray(other.tokens[:n]))
+            same = np.flatnonzero(tokens[:n] != other.ids[:n])
             shared = (int(same[0]) if same.size else n) // unit * unit
             if shared > other.computed // unit * unit:
                 return True
@@ -433,11 +434,11 @@ class PagedBatch:
             entry.choices = [c for c in entry.choices if c.key not in keys]
             if not entry.choices:
                 self._discard(entry)
-        gone = [i for i, row in enumerate(self.rows) if row.key in keys]
+        gone = {i for i, row in enumerate(self.rows) if row.key in keys}
         if gone:
             for i in gone:
                 self.kv.free(self.rows[i].key)
-            self._remove([i for i in range(len(self.rows)) if row_kept(i, gone)])
+            self._remove([i for i in range(len(self.rows)) if i not in gone])
 
     def clear(self) -> None:
         for entry in list(self.prefilling):
@@ -464,10 +465,6 @@ class PagedBatch:
         stats = self.kv.stats()
         stats["preemptions"] = self.preemptions
         return stats
-
-
-def row_kept(i: int, gone: List[int]) -> bool:
-    return i not in gone
 
 
 # a decode splits its rows in two forwards where that saves gathering at least this many padding
