@@ -7,10 +7,9 @@ framework's tensors and cache ops, run the native forward and read its logits ba
 a StaticCache or DynamicCache, additive masks built here, prefill then teacher-forced decode steps.
 :class:`HFReference` is HF's own cached run on the same tokens.
 
-float64 references: the torch port computes the norms, rotary angles, router softmax and the delta
-rule in float32 like HF does for every model dtype, so its reference is HF's float64 model as is.
-The MindSpore port computes everything in float64; HF upcasts those to float32 even in a float64
-model, so its reference is HF made to compute them in float64 (:func:`hf_in_float64`, exact rotary
+float64 references: both ports compute everything in float64 in a float64 model (the norms, rotary
+angles, router softmax and the delta rule too); HF upcasts those to float32 even in a float64 model,
+so the reference is HF made to compute them in float64 (:func:`hf_in_float64`, exact rotary
 frequencies too): then both agree to ~1e-14 whatever the chunk boundaries.
 
 Frameworks are imported directly: a test that needs one fails, never skips, when it is missing.
@@ -38,8 +37,6 @@ FORWARD_PARAMETERS = ["input_ids", "position_ids", "attention_mask", "past_key_v
 
 class TorchPort:
     name = "torch"
-    # float64: HF's own float64 model is the reference (both keep HF's float32 islands)
-    float64_everywhere = False
 
     def __init__(self):
         from hyper_gen.backends.torch.models import qwen3_5
@@ -93,8 +90,6 @@ class TorchPort:
 
 class MindSporePort:
     name = "mindspore"
-    # float64: everything in float64, so the reference is HF computing in float64 (hf_in_float64)
-    float64_everywhere = True
 
     def __init__(self):
         import mindspore

@@ -7,7 +7,9 @@ and driven through the cache-object contract by tests/model_harness.py (prefill 
 teacher-forced decode; HF's own cached run is the reference). Both backends share the tolerances of
 :data:`TOLERANCE`; where they differ (what their float64 computes, whether their float32 / half
 precision rounds as HF's, which dtypes their CPU computes, how exactly ``logits_to_keep`` slices,
-the device error), the difference is an entry of :data:`BACKEND_FACTS`. Backend-specific facts
+the device error), the difference is an entry of :data:`BACKEND_FACTS`. float64 is the same on both:
+everything computes in float64 (the recurrent state too), against HF computing in float64
+(``HFReference(..., exact=True)``), exact on any chunking. Backend-specific facts
 (torch's (in, out) weight layout, MindSpore's LM-head blocks and bfloat16 rounding) stay in
 tests/test_qwen3_5_torch.py and tests/test_qwen3_5_mindspore.py.
 """
@@ -47,20 +49,15 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 # what differs between the backends, in one table
 BACKEND_FACTS = {
     "torch": dict(
-        # float64 keeps HF's float32 islands (the delta rule among them): bitwise HF's only with HF's
-        # chunk boundaries, so float64 is checked against HF fed the same batch, not each prompt alone
-        float64_exact_on_any_chunking=False,
         # float32 and half precision round as HF's do: HF's tolerances hold on any token draw
         rounds_like_hf=True,
         draws={"padded": ("torch", 2), "half": ("torch", 6)},  # (source, seed) of Tokens
-        recurrent_state_float64=False,  # the Gated DeltaNet state is float32 in every model dtype
         half_dtypes=("float16", "bfloat16"),
         half_slack=1e-3,  # half-precision error <= 2 x HF's own half-precision error + this
         keep_atol=1e-6,  # logits_to_keep rows against the full forward's last rows
         bad_device="'nonsense' is not a torch device",
     ),
     "mindspore": dict(
-        float64_exact_on_any_chunking=True,  # all float64: exact against HF-in-float64 on any chunking
         # float32 and float16 do not round as HF's do. float32 differs from HF float32 by about HF's
         # own float32 error (MindSpore is often the nearer to the float64 truth): 1.1e-4 / 1.8e-4
         # (dense / moe) on the torch suite's 70-token draws, 3e-5 / 5e-5 on the MindSpore suite's.
@@ -71,7 +68,6 @@ BACKEND_FACTS = {
         # prefill) runs in float64 only.
         rounds_like_hf=False,
         draws={"padded": ("numpy", 1), "half": ("numpy", 6)},
-        recurrent_state_float64=True,  # the state is in the model dtype for float64 (float32 otherwise)
         half_dtypes=("float16",),  # bfloat16 cannot compute on CPU (test_qwen3_5_mindspore.py)
         half_slack=1e-2,
         keep_atol=0.0,  # logits_to_keep slices the hidden state: bitwise the full forward's rows
@@ -101,14 +97,9 @@ def _draws(backend, check):
     return Tokens(seed, source)
 
 
-def _float64_exact_on_other_chunk_boundaries(backend, dtype):
-    return dtype != "float64" or BACKEND_FACTS[backend]["float64_exact_on_any_chunking"]
-
-
 def _holds_on_other_chunk_boundaries(backend, dtype):
     """Whether ``dtype`` holds its tolerance on any draw against HF run with other chunk boundaries."""
-    facts = BACKEND_FACTS[backend]
-    return facts["float64_exact_on_any_chunking"] if dtype == "float64" else facts["rounds_like_hf"]
+    return dtype == "float64" or BACKEND_FACTS[backend]["rounds_like_hf"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -140,7 +131,7 @@ def models(checkpoint):
     @functools.lru_cache(maxsize=None)
     def get(backend, variant, dtype):
         model = load_model(checkpoint(variant), backend=backend, dtype=dtype)
-        return model, reference(variant, dtype, port(backend).float64_everywhere and dtype == "float64")
+        return model, reference(variant, dtype, dtype == "float64")
 
     return get
 
@@ -165,12 +156,7 @@ def test_prefill_and_decode_match_hf(models, backend, variant, dtype, cache_kind
 
 @pytest.mark.parametrize(
     "backend,variant,dtype,cache_kind",
-    _cases(
-        ["dense", "moe"],
-        ["float32", "float64"],
-        ["static", "dynamic"],
-        where=lambda backend, variant, dtype, cache_kind: _float64_exact_on_other_chunk_boundaries(backend, dtype),
-    ),
+    _cases(["dense", "moe"], ["float32", "float64"], ["static", "dynamic"]),
 )
 def test_left_padded_rows_match_hf_on_each_prompt_alone(models, backend, variant, dtype, cache_kind):
     """A long and a short prompt left-padded into one batch; each row's real positions against
@@ -190,8 +176,7 @@ def test_left_padded_rows_match_hf_on_each_prompt_alone(models, backend, variant
 @pytest.mark.parametrize("variant", ["dense", "moe"])
 @backends
 def test_left_padded_batch_matches_hf_padded_batch_float64(models, backend, variant, cache_kind):
-    """float64: the same padded batch against HF fed the same padded batch (same chunk
-    boundaries, so the torch port runs HF's float32 delta-rule arithmetic exactly)."""
+    """float64: the same padded batch against HF fed the same padded batch (its padding and masks)."""
     model, hf_model = models(backend, variant, "float64")
     tokens = Tokens(2)
     _, input_ids, prompt_mask = padded_batch(tokens, PADDED_LENGTHS)
@@ -340,8 +325,7 @@ def test_linear_attention_state_layout(models, backend, dtype):
         config.linear_key_head_dim,
         config.linear_value_head_dim,
     )
-    state_float64 = dtype == "float64" and BACKEND_FACTS[backend]["recurrent_state_float64"]
-    assert harness.dtype_name(cache.recurrent_states[0].dtype) == ("float64" if state_float64 else "float32")
+    assert harness.dtype_name(cache.recurrent_states[0].dtype) == ("float64" if dtype == "float64" else "float32")
     assert tuple(cache.keys[1].shape) == (2, config.num_key_value_heads, 8, config.head_dim)
 
 

@@ -49,7 +49,7 @@ def test_tied_embeddings_share_one_matrix(models):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_matrices_are_stored_in_out(models, checkpoint_dir, dtype):
     """Every matmul is ``x @ w`` with w (in, out): (in, out)-contiguous (the fast batch-1 decode
-    layout) except in float64, which keeps HF's (out, in) memory to stay bitwise HF's, and the
+    layout) except in float64, which keeps HF's (out, in) memory (HF's ``F.linear`` sums), and the
     Gated DeltaNet b / a projections, which keep it in every dtype (the decay's rounding). The
     embedding is one (H, V) matrix, looked up by columns, that a tied head multiplies by."""
     model = models("moe", dtype)
@@ -129,9 +129,18 @@ def test_left_padded_prefill_packs_the_real_tokens(models, monkeypatch, variant,
         assert (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item() <= tolerance
 
 
+def _elementwise_step(query, key, value, decay, beta, state):
+    """HF torch_recurrent_gated_delta_rule with S == 1, its elementwise form."""
+    state = state * decay.exp()[..., None, None]
+    kv_mem = (state * key.unsqueeze(-1)).sum(dim=-2)
+    delta = (value - kv_mem) * beta.unsqueeze(-1)
+    state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * query.unsqueeze(-1)).sum(dim=-2), state
+
+
 def test_batched_recurrent_step_is_the_elementwise_step():
-    """The float32 decode step through bmm computes HF's elementwise step (to 1e-12 in float64 inputs)."""
-    from hyper_gen.backends.torch.gated_deltanet import recurrent_gated_delta_step, recurrent_gated_delta_step_bmm
+    """The decode step through bmm computes HF's elementwise step (to 1e-12 in float64 inputs)."""
+    from hyper_gen.backends.torch.gated_deltanet import recurrent_gated_delta_step
 
     generator = torch.Generator().manual_seed(0)
     b, h, dk, dv = 3, 4, 16, 8
@@ -144,8 +153,8 @@ def test_batched_recurrent_step_is_the_elementwise_step():
     beta = torch.rand(b, h, generator=generator, dtype=torch.float64)
     state = torch.randn(b, h, dk, dv, generator=generator, dtype=torch.float64)
     before = state.clone()
-    expected = recurrent_gated_delta_step(query, key, value, decay, beta, state)
-    got = recurrent_gated_delta_step_bmm(query, key, value, decay, beta, state)
+    expected = _elementwise_step(query, key, value, decay, beta, state)
+    got = recurrent_gated_delta_step(query, key, value, decay, beta, state)
     assert torch.equal(state, before)  # the cache's state tensor is not written in place
     for a, e in zip(got, expected):
         assert a.shape == e.shape and (a - e).abs().max().item() < 1e-12

@@ -5,10 +5,9 @@ models and an HF model passed in), padding on either side and ``prompt_lengths``
 scored, the top tokens are ``topk`` of the raw logits' log-softmax, and bad input is refused naming
 the field.
 
-float64 tolerances: MindSpore's float64 model computes everything in float64; the torch port keeps
-HF's float32 islands (norms, rotary angles, the delta rule: tests/model_harness.py), so a cached
-torch rollout and a one-forward score differ by float32 rounding there, and MindSpore's reference
-is HF computing in float64 (``hf_in_float64``)."""
+float64 tolerances: both ports' float64 models compute everything in float64 (none of HF's float32
+islands: norms, rotary angles, the router, the delta rule), so a cached rollout and a one-forward
+score agree to float64 rounding, and their reference is HF computing in float64 (``hf_in_float64``)."""
 
 import numpy as np
 import pytest
@@ -132,51 +131,50 @@ def test_score_of_a_rollout_is_its_raw_logprobs(backend, dtype, mode, prompts, b
     gap, lp = rollout_gap(model, out)
     assert lp.dtype == np.dtype(dtype) and host(out.raw_logprobs).dtype == np.dtype(dtype)
     print(f"{backend} {dtype} {mode} {prompts}: max |raw_logprob - score| = {gap:.3g}")
-    if dtype == "float32":
-        assert gap <= 1e-4
-    elif backend == "mindspore":
-        assert gap <= 1e-9
-    else:  # the torch port's float32 islands (the delta rule): decode steps round apart from one forward
-        assert gap <= 1e-5
+    assert gap <= (1e-4 if dtype == "float32" else 1e-9)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_score_equals_hf_log_softmax_float64(backend, one_torch_thread):
-    # torch keeps HF's float32 islands, so HF as is; MindSpore computes in float64 throughout, as HF does
-    # inside hf_in_float64 (then padding, which moves the delta rule's chunk boundaries, changes nothing)
-    reference = HFReference(DEMO_MODEL_DIR, "float64", exact=backend == "mindspore")
-    unpadded_tolerance = 1e-9 if backend == "mindspore" else 1e-5
+    # both ports compute in float64 throughout, as HF does inside hf_in_float64 (then padding, which
+    # moves the delta rule's chunk boundaries, changes nothing)
+    reference = HFReference(DEMO_MODEL_DIR, "float64", exact=True)
     for side in ("left", "right"):
         ids, mask = padded(ROWS, side)
         ours = host(score(demo(backend, "float64"), ids, mask))
         assert ours.dtype == np.float64
-        np.testing.assert_allclose(ours, hf_logprobs(reference, ids, mask), rtol=0, atol=1e-9)
-        np.testing.assert_allclose(ours, unpadded_logprobs(reference, ids, mask), rtol=0, atol=unpadded_tolerance)
+        padded_hf, alone_hf = hf_logprobs(reference, ids, mask), unpadded_logprobs(reference, ids, mask)
+        gaps = np.abs(ours - padded_hf).max(), np.abs(ours - alone_hf).max()
+        print(f"{backend} {side}: vs HF padded {gaps[0]:.3g}, alone {gaps[1]:.3g}")
+        np.testing.assert_allclose(ours, padded_hf, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(ours, alone_hf, rtol=0, atol=1e-9)
         assert (ours[mask == 0] == 0).all() and (ours[np.arange(len(ROWS)), mask.argmax(1)] == 0).all()
 
 
 def test_mindspore_score_equals_torch_score(one_torch_thread):
     ids, mask = padded(ROWS, "left")
-    for dtype, tolerance in (("float64", 1e-5), ("float32", 1e-4)):  # float64: torch's float32 islands
+    for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-4)):  # float64: both compute in float64
         theirs = host(score(demo("torch", dtype), torch.from_numpy(ids), torch.from_numpy(mask)))
         ours = host(score(demo("mindspore", dtype), ids, mask))
+        print(f"{dtype}: max |mindspore - torch| = {np.abs(ours - theirs).max():.3g}")
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=tolerance)
 
 
 def test_score_on_an_hf_model(one_torch_thread):
-    reference = HFReference(DEMO_MODEL_DIR, "float64")
+    """score() of HF's model as is; the native torch float64 model's against HF computing in float64."""
+    references = HFReference(DEMO_MODEL_DIR, "float64"), HFReference(DEMO_MODEL_DIR, "float64", exact=True)
     prompts = [2, 1, 3]
     for side in ("left", "right"):
         ids, mask = padded(ROWS, side)
-        ours = score(reference.model, torch.from_numpy(ids), torch.from_numpy(mask), prompt_lengths=prompts)
+        ours = score(references[0].model, torch.from_numpy(ids), torch.from_numpy(mask), prompt_lengths=prompts)
         assert isinstance(ours, torch.Tensor) and ours.dtype == torch.float64 and ours.shape == ids.shape
-        expected = hf_logprobs(reference, ids, mask)
+        expected, exact = (hf_logprobs(reference, ids, mask) for reference in references)
         starts = mask.argmax(1)
         for i, p in enumerate(prompts):
-            expected[i, : starts[i] + p] = 0
+            expected[i, : starts[i] + p] = exact[i, : starts[i] + p] = 0
         np.testing.assert_allclose(ours.numpy(), expected, rtol=0, atol=1e-9)
         native = host(score(demo("torch", "float64"), ids, mask, prompt_lengths=prompts))
-        np.testing.assert_allclose(native, expected, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(native, exact, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -2,8 +2,9 @@
 
 The engine knows what one block costs on its model (every attention layer's K and V rows for
 ``block_size`` positions, in the cache dtype, on this rank's heads) and what one state snapshot
-costs (every Gated DeltaNet layer's float32 recurrent matrix and conv window); this module only
-turns bytes into counts, and says which budget was too small when it cannot hold one block.
+costs (every Gated DeltaNet layer's recurrent matrix and conv window, float32 or a float64 model's
+float64); this module only turns bytes into counts, and says which budget was too small when it
+cannot hold one block.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ What the others do, and why this shape:
   only hashed after the step that computed it, so the same-step hazard cannot arise.
 
 The slots are bookkeeping only: slot ``i`` indexes the engine's snapshot buffers (one per
-DeltaNet layer, on the device, float32).
+DeltaNet layer, on the device, in the state's dtype: float32, float64 in a float64 model).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Gated DeltaNet in torch, as HF's Qwen3.5 computes it (the chunked delta rule in float32, its
-recurrent step, the causal conv with its state), with packed prefill rows and context parallelism
-(the conv halo and the recurrent-state relay)."""
+"""Gated DeltaNet in torch, as HF's Qwen3.5 computes it (the chunked delta rule in float32, or float64
+in a float64 model, its recurrent step, the causal conv with its state), with packed prefill rows and
+context parallelism (the conv halo and the recurrent-state relay)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_gen.backends.torch.kernels import PLAIN
-from hyper_gen.backends.torch.layers import gated_rms_norm, l2_normalise
+from hyper_gen.backends.torch.layers import compute_dtype, gated_rms_norm, l2_normalise
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import GatedDeltaNetShard
 from hyper_gen.parallel.context_parallel import CPStep
@@ -25,11 +25,11 @@ CHUNK_SIZE = 64  # Gated DeltaNet prefill chunk length (HF's)
 def chunk_gated_delta_rule(query, key, value, decay, beta, state: Optional[torch.Tensor], chunk_size: int = CHUNK_SIZE):
     """Gated delta rule over a whole sequence, 64 positions at a time (HF torch_chunk_gated_delta_rule).
 
-    query/key (B, H, S, Dk) float32, l2-normalised, query pre-scaled; value (B, H, S, Dv);
-    decay (log space, <= 0) and beta (B, H, S); state (B, H, Dk, Dv) float32 or None.
-    Returns the output (B, H, S, Dv) and the final state, both float32.
-    The op order is HF's on purpose: float64 models run this in float32 as HF's do, and the
-    same float32 arithmetic is what makes them match HF bit for bit. It is two phases: the
+    query/key (B, H, S, Dk) in the compute dtype (float32, float64 for a float64 model), l2-normalised,
+    query pre-scaled; value (B, H, S, Dv); decay (log space, <= 0) and beta (B, H, S); state
+    (B, H, Dk, Dv) or None. Returns the output (B, H, S, Dv) and the final state, in that dtype.
+    The op order is HF's on purpose: on the same inputs it is HF's float32 arithmetic bit for bit
+    (a float64 model's, HF's made to compute in float64). It is two phases: the
     per-chunk work (``_chunk_terms``, independent across chunks) and the scan over chunks
     carrying the state (``_chunk_scan``); a context-parallel rank runs the first on its own
     chunks and the second once the previous rank's final state has arrived.
@@ -112,24 +112,12 @@ def _chunk_scan(terms: dict, state: Optional[torch.Tensor]):
 
 
 def recurrent_gated_delta_step(query, key, value, decay, beta, state: torch.Tensor):
-    """One decode position (HF torch_recurrent_gated_delta_rule with S == 1).
+    """One decode position (HF torch_recurrent_gated_delta_rule with S == 1) through batched matrix
+    products: the state is read three times and written twice instead of HF's elementwise form's
+    seven passes, which sets the pace of a batched decode step (rounding ~1 ulp off HF's order).
 
-    query/key (B, H, Dk) float32, l2-normalised, query pre-scaled; value (B, H, Dv);
-    decay/beta (B, H); state (B, H, Dk, Dv) float32. Returns output (B, H, Dv) and the new state.
-    """
-    state = state * decay.exp()[..., None, None]
-    kv_mem = (state * key.unsqueeze(-1)).sum(dim=-2)
-    delta = (value - kv_mem) * beta.unsqueeze(-1)
-    state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (state * query.unsqueeze(-1)).sum(dim=-2)
-    return out, state
-
-
-def recurrent_gated_delta_step_bmm(query, key, value, decay, beta, state: torch.Tensor):
-    """The same step as :func:`recurrent_gated_delta_step` through batched matrix products: the
-    state is read three times and written twice instead of the elementwise form's seven passes, which
-    sets the pace of a batched decode step. Float32 rounding differs from HF's order by ~1 ulp, so
-    float64 models keep the elementwise form (their float32 islands stay bitwise HF's)."""
+    query/key (B, H, Dk) in the compute dtype, l2-normalised, query pre-scaled; value (B, H, Dv);
+    decay/beta (B, H); state (B, H, Dk, Dv). Returns output (B, H, Dv) and the new state."""
     b, h, dk, dv = state.shape
     state = (state * decay.exp()[..., None, None]).view(b * h, dk, dv)  # a new tensor: the cache's is kept
     key = key.reshape(b * h, 1, dk)
@@ -149,7 +137,7 @@ class GatedDeltaNet(nn.Module):
     1-ulp change of the decay into a visible difference in the logits.
     The q|k|v part goes through a depthwise causal conv1d (kernel K) + SiLU; the conv state is
     the last K-1 pre-conv positions, (B, q|k|v channels, K-1). Recurrent state (B, Hv, Dk, Dv)
-    in float32.
+    in float32 (float64 in a float64 model).
     """
 
     kernels = PLAIN  # the model's TorchKernels, set by load
@@ -199,7 +187,7 @@ class GatedDeltaNet(nn.Module):
         key = key.reshape(b, s, -1, self.head_k_dim)
         value = value.reshape(b, s, -1, self.head_v_dim)
         beta = beta.sigmoid()
-        decay = self.neg_decay_rate * F.softplus(decay.float() + self.dt_bias)
+        decay = self.neg_decay_rate * F.softplus(decay.to(self.neg_decay_rate.dtype) + self.dt_bias)
 
         out, recurrent_state = self._delta_rule(
             query, key, value, decay, beta, recurrent_state, cp_step if sharded else None, packing
@@ -245,7 +233,7 @@ class GatedDeltaNet(nn.Module):
         return F.silu(out[..., keep : keep + mixed.shape[-1]]), history.contiguous()
 
     def _delta_rule(self, query, key, value, decay, beta, state, cp_step: Optional[CPStep] = None, packing=None):
-        """(B, S, H, D) inputs -> (B, S, Hv, Dv) output in the model dtype, new float32 state.
+        """(B, S, H, D) inputs -> (B, S, Hv, Dv) output in the model dtype, the new state.
 
         In a sharded context-parallel prefill the state is relayed in rank order: rank r scans its
         chunks from rank r-1's final state; after each rank's scan one all-gather hands its final
@@ -257,15 +245,15 @@ class GatedDeltaNet(nn.Module):
             query = query.repeat_interleave(groups, dim=2)
             key = key.repeat_interleave(groups, dim=2)
         query, key, value, beta, decay = (
-            t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+            t.transpose(1, 2).to(compute_dtype(dtype), memory_format=torch.contiguous_format)
             for t in (query, key, value, beta, decay)
         )
         query = l2_normalise(query)
         key = l2_normalise(key)
         if state is not None and query.shape[2] == 1:
             query = query / (query.shape[-1] ** 0.5)
-            step = recurrent_gated_delta_step if dtype == torch.float64 else recurrent_gated_delta_step_bmm
-            out, state = step(query[:, :, 0], key[:, :, 0], value[:, :, 0], decay[:, :, 0], beta[:, :, 0], state)
+            step = (t[:, :, 0] for t in (query, key, value, decay, beta))
+            out, state = recurrent_gated_delta_step(*step, state)
             out = out.unsqueeze(2)
         elif cp_step is not None:
             query = query * query.shape[-1] ** -0.5

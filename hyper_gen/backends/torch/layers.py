@@ -8,13 +8,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What HF's float32 steps run in: float32 as HF's, float64 in a float64 model (no float32 islands)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # --------------------------------------------------------------------------------------- norms
 
 
 class ZeroCentredRMSNorm(nn.Module):
-    """``x / rms(x) * (1 + w)``, computed in float32 and cast back (HF Qwen3_5RMSNorm).
+    """``x / rms(x) * (1 + w)``, computed in ``compute_dtype`` and cast back (HF Qwen3_5RMSNorm).
 
-    ``scale`` = ``1 + w`` in float32 is precomputed at load (a buffer, so ``parameters()`` keeps
+    ``scale`` = ``1 + w`` in that dtype is precomputed at load (a buffer, so ``parameters()`` keeps
     the model dtype); it is bitwise what HF computes each call."""
 
     def __init__(self, dim: int, eps: float):
@@ -23,18 +29,18 @@ class ZeroCentredRMSNorm(nn.Module):
         self.register_buffer("scale", torch.empty(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        h = x.to(self.scale.dtype)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.scale).type_as(x)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated DeltaNet output norm: ``w * x / rms(x) * silu(gate)`` (HF Qwen3_5RMSNormGated)."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
+    dtype, wide = x.dtype, compute_dtype(x.dtype)
+    h = x.to(wide)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(dtype)
-    h = h * F.silu(gate.to(torch.float32))
+    h = h * F.silu(gate.to(wide))
     return h.to(dtype)
 
 
@@ -45,14 +51,14 @@ def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- rotary
 
 
-def rotary_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
-    """float32, exactly as HF computes them (the angles stay float32 for every model dtype)."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+def rotary_inverse_frequencies(rotary_dim: int, theta: float, dtype=torch.float32) -> torch.Tensor:
+    """In ``dtype`` (the model's ``compute_dtype``: float32 exactly as HF computes them)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim))
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """(B, S, rotary_dim) cos and sin in ``dtype`` for integer positions (B, S)."""
-    freqs = position_ids[..., None].float() * inv_freq
+    freqs = position_ids[..., None].to(inv_freq.dtype) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

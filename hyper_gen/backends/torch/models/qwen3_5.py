@@ -1,8 +1,8 @@
 """Qwen3.5 (dense and MoE) in plain torch, loaded from HF checkpoints: gated attention, the MLPs,
 the decoder layer, the model and ``load`` (Gated DeltaNet: ``..gated_deltanet``).
 
-It follows HF op for op where HF computes in float32 whatever the model dtype, so a float64 model
-matches HF's bit for bit; weights are (in, out) matrices run by the model's ``TorchKernels``.
+It follows HF op for op where HF computes in float32 whatever the model dtype (a float64 model computes
+those in float64: ``compute_dtype``); weights are (in, out) matrices run by the model's ``TorchKernels``.
 Layout, numerics, tensor and context parallelism: docs/architecture.md, "The native Qwen3.5 ports".
 """
 
@@ -22,7 +22,13 @@ from hyper_gen.backends.torch.context_parallel import all_to_all
 from hyper_gen.backends.torch.devices import resolve_device
 from hyper_gen.backends.torch.gated_deltanet import GatedDeltaNet
 from hyper_gen.backends.torch.kernels import PLAIN, TorchKernels, budget_bytes
-from hyper_gen.backends.torch.layers import ZeroCentredRMSNorm, apply_rotary, rotary_cos_sin, rotary_inverse_frequencies
+from hyper_gen.backends.torch.layers import (
+    ZeroCentredRMSNorm,
+    apply_rotary,
+    compute_dtype,
+    rotary_cos_sin,
+    rotary_inverse_frequencies,
+)
 from hyper_gen.backends.torch.ops import TorchOps, dtype_name, torch_dtype
 from hyper_gen.kernel_plan import KernelPlan
 from hyper_gen.masks import contract_defaults
@@ -138,7 +144,7 @@ class GatedAttention(nn.Module):
         b, h, _, d = query.shape
         kv = self.num_kv_heads
         keys, values, mask = step.decode_keys(cache, self.layer_idx, key, value, mask)
-        compute = query.dtype if query.dtype == torch.float64 else torch.float32
+        compute = compute_dtype(query.dtype)
         q = query.reshape(b, kv, h // kv, d).to(compute)
         if keys is None:  # an empty slice: a zero output of zero weight
             out = q.new_zeros(b, kv, h // kv, values.shape[-1] if values is not None else d)
@@ -207,7 +213,7 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.kernels.project(x, self.router)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        probs = F.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.routes is not None:
             self.routes.append(experts)
@@ -395,8 +401,8 @@ class _Weights:
         return self.kernels.layout(self.cast(array).transpose(-1, -2))
 
     def norm_scale(self, piece: Piece) -> torch.Tensor:
-        """``1 + w`` in float32 from w in the model dtype: what HF's zero-centred RMSNorm multiplies by."""
-        return 1.0 + self.tensor(piece).float()
+        """``1 + w`` in ``compute_dtype`` from w in the model dtype: what HF's zero-centred RMSNorm multiplies by."""
+        return 1.0 + self.tensor(piece).to(compute_dtype(self.dtype))
 
 
 def _attention_state(w: _Weights, s: AttentionShard) -> dict:
@@ -418,7 +424,7 @@ def _gated_deltanet_state(w: _Weights, s: GatedDeltaNetShard) -> dict:
     conv = w.tensor(s.conv)  # (q|k|v channels, 1, kernel)
     state["conv_weight"] = conv.reshape(conv.shape[0], conv.shape[-1])
     state["dt_bias"] = w.tensor(s.dt_bias)
-    state["neg_decay_rate"] = -w.tensor(s.a_log).float().exp()  # model dtype first, then float32 as HF
+    state["neg_decay_rate"] = -w.tensor(s.a_log).to(compute_dtype(w.dtype)).exp()  # model dtype first, as HF
     state["norm_weight"] = w.tensor(s.norm)
     state["out_proj"] = w.matrix(s.out_proj)
     return state
@@ -536,7 +542,7 @@ def load(
         if hasattr(module, "kernels"):
             module.kernels = projections
     model.kernel_plan = projections.used_plan()
-    model.inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rope_theta).to(device)
+    model.inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rope_theta, compute_dtype(w.dtype)).to(device)
     model.requires_grad_(False)
     model.generation_defaults = generation_defaults(checkpoint)
     return model.eval()
