@@ -24,6 +24,7 @@ from .masks import decode_mask, full_sequence_mask, prefill_mask
 from .positions import cumsum_positions
 
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+DECODE_MASK_STEPS = 256  # a dynamic cache's first decode mask: this many steps past the prompt, then doubled
 
 
 class ForwardSignature:
@@ -180,13 +181,13 @@ class _Driver:
         """Preallocate the decode mask: prompt padding masked, later columns masked until written.
 
         A static cache attends over all its ``columns`` (its buffer length), so its mask is whole;
-        otherwise it starts 256 steps wide and doubles when the sequence outgrows it (nothing sized
+        otherwise it starts ``DECODE_MASK_STEPS`` wide and doubles when the sequence outgrows it (nothing sized
         to max_new_tokens)."""
         if not self.signature.accepts("attention_mask"):
             return
         prompt = self.prompt
         if not whole:
-            columns = min(self.total_length, prompt.width + 256)
+            columns = min(self.total_length, prompt.width + DECODE_MASK_STEPS)
         self._decode_mask = self.ops.asarray(decode_mask(prompt.mask, columns, self.dtype), self.dtype)
         self._unmask = self.ops.asarray(np.zeros((prompt.batch_size, 1, 1, 1)), self.dtype)
         self._whole_decode_mask = whole

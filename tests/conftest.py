@@ -63,7 +63,6 @@ SLOW_CASES = {
     ("test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens", "mindspore"),
     ("test_run_batch_returns_input_order_and_many_more_than_the_batch", "mindspore"),
     ("test_abort_one_leaves_the_others_unchanged", "mindspore"),
-    ("test_decode_mask_grows_past_its_first_block", "mindspore"),  # generates past a 256-position block
     ("test_a_request_never_waits_for_the_batch", "mindspore-compiled"),
     ("test_greedy_equals_generate_with_staggered_arrivals", "mindspore-compiled"),
     ("test_mindspore_is_quiet_by_default_and_verbose_on_request", ""),  # two CLI subprocesses

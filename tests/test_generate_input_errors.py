@@ -277,14 +277,18 @@ def test_demo_model_huge_max_new_tokens(backend, cache):
     np.testing.assert_array_equal(out, expected)
 
 
-def test_decode_mask_grows_past_its_first_block(backend):
-    """Dynamic caches get a decode mask that doubles as the sequence grows: same tokens as the static cache."""
+def test_decode_mask_grows_past_its_first_block(backend, monkeypatch):
+    """Dynamic caches get a decode mask that doubles as the sequence grows: same tokens as the static
+    cache. The first mask is made 8 steps wide here, so 30 tokens grow it twice (5 + 8 -> 26 -> 35)."""
+    from hyper_gen import drivers
+
+    monkeypatch.setattr(drivers, "DECODE_MASK_STEPS", 8)
     model = demo_model(backend)
     ids, mask = [[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
-    cfg = dict(max_new_tokens=300, eos_token_id=None, attention_mask=mask)
+    cfg = dict(max_new_tokens=30, eos_token_id=None, attention_mask=mask)
     static = backend.numpy(generate(model, ids, cache_implementation="static", **cfg))
     dynamic = backend.numpy(generate(model, ids, cache_implementation="dynamic", **cfg))
-    assert static.shape == (2, 305)
+    assert static.shape == (2, 35)
     np.testing.assert_array_equal(static, dynamic)
 
 
