@@ -1,6 +1,7 @@
 """Context-parallel MindSpore Qwen3.5: CP=2 under msrun gives the single-device results.
 
-One 2-worker msrun job (tests/dist_scripts/cp_mindspore.py) runs the checks of tests/test_cp_torch.py
+One 2-worker msrun job (tests/dist_scripts/cp_mindspore.py; the model run whole on rank 0 only, its
+outputs shared) runs the checks of tests/test_cp_torch.py
 on the tiny dense and MoE checkpoints, float32 and float64, with MindSpore's CPU collectives
 (AllGather only; float64 travels as raw bits): model forwards on static and dynamic caches (each
 rank's cache holding only its slice), generate() greedy / seeded / dynamic cache on left-padded
@@ -73,11 +74,12 @@ def test_each_rank_caches_only_its_slice(job, label, dtype, width):
 @pytest.mark.parametrize("label", CHECKPOINTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cp_generate_gives_single_device_tokens_on_every_rank(job, label, dtype, name, width):
+    """Rank 0 compares with the model run whole; rank 1's tokens are rank 0's."""
     tokens = set()
     for rank in (0, 1):
         line = _line(job, rank, name, f"{label}/{dtype}", width)
-        equal, rank_tokens = re.match(r"width=\d+ equal=(\w+) tokens=(.*)", line).groups()
-        assert equal == "True", f"rank {rank}: CP tokens differ from single-device ones: {rank_tokens}"
+        equal, rank_tokens = re.match(r"width=\d+ equal=(\S+) tokens=(.*)", line).groups()
+        assert equal == ("True" if rank == 0 else "-"), f"rank {rank}: CP tokens differ from one device's: {line}"
         tokens.add(rank_tokens)
     assert len(tokens) == 1
 

@@ -1,7 +1,8 @@
 """tp=2 x cp=2 MindSpore Qwen3.5 (4 msrun workers) gives the single-device results.
 
-One 4-worker msrun job (tests/dist_scripts/cp_tp_mindspore.py, about 70 s on 2 cores) loads
-``load_model(..., backend="mindspore", tp=2, cp=2)`` and the whole model on every rank, for the tiny
+One 4-worker msrun job (tests/dist_scripts/cp_tp_mindspore.py) loads ``load_model(...,
+backend="mindspore", tp=2, cp=2)``, and the whole model on rank 0, which shares its outputs with
+the other ranks (only one rank pays for the reference; each compares its own), for the tiny
 dense checkpoint in float64 and float32 and the tiny MoE one (fused experts) in float64, and reports
 on left-padded batches of a 70-token row with a 3-token row and of a 200-token row with 70- and
 3-token rows: generate() greedy and seeded tokens, every step's logits (teacher-forced prefill +
@@ -51,6 +52,7 @@ def test_mesh_coordinates_and_groups(job, label, dtype):
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("label,dtype", RUNS)
 def test_every_step_logits_match_single_device(job, label, dtype, width):
+    """Each rank's logits against the model run whole on rank 0 (its outputs shared with every rank)."""
     for rank in RANKS:
         line = _line(job, rank, "logits", f"{label}/{dtype}", width)
         steps, diff, kv_ok = re.match(r"width=\d+ steps=(\d+) maxdiff=(\S+) kv_ok=(\w+)", line).groups()
@@ -65,11 +67,12 @@ def test_every_step_logits_match_single_device(job, label, dtype, width):
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("label,dtype", RUNS)
 def test_generate_gives_single_device_tokens_on_all_four_ranks(job, label, dtype, width, name):
+    """Rank 0 compares with the model run whole; the other ranks' tokens are rank 0's."""
     tokens = set()
     for rank in RANKS:
         line = _line(job, rank, name, f"{label}/{dtype}", width)
-        equal, rank_tokens = re.match(r"width=\d+ equal=(\w+) tokens=(.*)", line).groups()
-        assert equal == "True", f"rank {rank}: tp x cp tokens differ from single-device ones: {rank_tokens}"
+        equal, rank_tokens = re.match(r"width=\d+ equal=(\S+) tokens=(.*)", line).groups()
+        assert equal == ("True" if rank == 0 else "-"), f"rank {rank}: tp x cp tokens differ from one device's: {line}"
         tokens.add(rank_tokens)
     assert len(tokens) == 1
 

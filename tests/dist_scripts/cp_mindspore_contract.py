@@ -7,6 +7,23 @@ import numpy as np
 
 from hyper_gen.backends.mindspore.ops import MindSporeOps
 
+REFERENCE_RANK = 0  # the one rank that also runs the model whole (the single-device reference)
+
+
+def shared_reference(ops, rank, reference, ours):
+    """The reference rank's single-device outputs (``reference``; None elsewhere, or of the wrong
+    shapes), on every rank: only that rank pays for running the model whole (the others wait in
+    this all-gather, which does not spin), and each rank still compares its own outputs. They
+    travel as raw int32 words, exact for float64 too."""
+    shared = []
+    for mine in ours:
+        words = np.zeros_like(mine)  # (a reference of the wrong shape: NaN, so the comparison fails)
+        if rank == REFERENCE_RANK:
+            words = reference[len(shared)].astype(mine.dtype) if reference is not None else words + np.nan
+        gathered = ops.to_numpy(ops.all_gather(ops.asarray(words.view(np.int32)), axis=0))
+        shared.append(gathered[: mine.shape[0]].view(mine.dtype).reshape(mine.shape))
+    return shared
+
 
 def contract_mask(prompt_mask, past, seq, total, dtype):
     batch, width = prompt_mask.shape
