@@ -130,12 +130,12 @@ def test_each_rank_caches_only_its_slice(job, label, dtype, width):
 @pytest.mark.parametrize("label", CHECKPOINTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cp_generate_gives_single_device_tokens_on_every_rank(job, label, dtype, name, width):
+    """Rank 0 compares with the model run whole; the other ranks' tokens are rank 0's."""
     tokens = set()
     for rank in _ranks(job):
-        equal, rank_tokens = re.match(
-            r"width=\d+ equal=(\w+) tokens=(.*)", _line(job, rank, name, f"{label}/{dtype}", width)
-        ).groups()
-        assert equal == "True", f"rank {rank}: CP tokens differ from single-device ones: {rank_tokens}"
+        line = _line(job, rank, name, f"{label}/{dtype}", width)
+        equal, rank_tokens = re.match(r"width=\d+ equal=(\S+) tokens=(.*)", line).groups()
+        assert equal == ("True" if rank == 0 else "-"), f"rank {rank}: CP tokens differ from one device's: {line}"
         tokens.add(rank_tokens)
     assert len(tokens) == 1
 
@@ -200,10 +200,9 @@ def test_ulysses_matches_single_device(job, dtype, width):
             assert diff <= (1e-9 if dtype == "float64" else FLOAT32_TOLERANCE)
             assert _line(job, rank, "kvshard", tag, width) == f"width={width} ok=True"
             for name in tokens:
-                equal, rank_tokens = re.match(
-                    r"width=\d+ equal=(\w+) tokens=(.*)", _line(job, rank, name, tag, width)
-                ).groups()
-                assert equal == "True", f"rank {rank} {name}: Ulysses tokens differ from one device's: {rank_tokens}"
+                line = _line(job, rank, name, tag, width)
+                equal, rank_tokens = re.match(r"width=\d+ equal=(\S+) tokens=(.*)", line).groups()
+                assert equal == ("True" if rank == 0 else "-"), f"rank {rank} {name}: Ulysses tokens differ: {line}"
                 tokens[name].add(rank_tokens)
         assert all(len(seen) == 1 for seen in tokens.values())
 

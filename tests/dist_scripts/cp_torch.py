@@ -1,7 +1,9 @@
 """Context-parallel native torch Qwen3.5 (``load_model(..., tp=T, cp=world/T)``) against the same
-checkpoint on one device (each rank also loads it whole). Prints one line per check,
-``rank R: <check> <label> ...``; it never raises on a failed comparison (a rank that stopped early
-would leave the others hanging in a collective): tests/test_cp_torch.py reads the lines.
+checkpoint on one device (rank 0 also loads it whole and shares its outputs by broadcast: only one
+rank pays for the reference, each compares its own; the other ranks' tokens must be rank 0's).
+Prints one line per check, ``rank R: <check> <label> ...``; it never raises on a failed comparison
+(a rank that stopped early would leave the others hanging in a collective): tests/test_cp_torch.py
+reads the lines.
 
 usage: cp_torch.py TP LABEL=CHECKPOINT_DIR ...
 """
@@ -82,6 +84,24 @@ def contract_run(model, ids, prompt_mask, decode_ids, cache_class):
     return outs, cache
 
 
+def shared_reference(reference, ours):
+    """Rank 0's single-device outputs (``reference``; None elsewhere) on every rank, broadcast in
+    the shapes of this rank's ``ours`` (a reference of other shapes arrives as NaN: the check fails)."""
+    shared = []
+    for i, mine in enumerate(ours):
+        buf = torch.full_like(mine, float("nan"))
+        if reference is not None and len(reference) == len(ours) and reference[i].shape == mine.shape:
+            buf = reference[i].to(mine.dtype).contiguous()
+        dist.broadcast(buf, src=0)
+        shared.append(buf)
+    return shared
+
+
+def single_tokens(single, ids, cfg, mask, got):
+    """Whether ``got`` is the single-device run's tokens, on rank 0 (the one holding the model whole); "-" elsewhere."""
+    return "-" if single is None else np.array_equal(got, generate(single, ids, cfg, attention_mask=mask).numpy())
+
+
 def expected_kv_length(model, width, cache):
     """What this rank's cache must hold per attention layer: its slice (the owner: + decode)."""
     plan = model.cp_plan
@@ -97,19 +117,22 @@ for label, path in checkpoints:
     for dtype in ("float32", "float64"):
         model = load_model(path, backend="torch", dtype=dtype, tp=TP, cp=CP)
         rank = dist.get_rank()
-        single = load_model(path, backend="torch", dtype=dtype)
+        single = load_model(path, backend="torch", dtype=dtype) if rank == 0 else None
         tag = f"rank {rank}: {{}} {label}/{dtype}"
         say(
             tag.format("attributes") + f" group={model.parallel_group} vocab_parallel={model.vocab_parallel} "
             f"cp_plan={model.cp_plan} tp_plan={model.tp_plan}"
         )
         for width in WIDTHS:
-            ids, mask, decode_ids = padded_batch(single.vocab_size, width)
+            ids, mask, decode_ids = padded_batch(model.vocab_size, width)
             t_ids, t_mask, t_decode = (torch.from_numpy(a) for a in (ids, mask, decode_ids))
             diff, kv_ok, kv_lengths = 0.0, True, []
             for cache_class in (StaticCache, DynamicCache):
                 ours, cache = contract_run(model, t_ids, t_mask, t_decode, cache_class)
-                reference, _ = contract_run(single, t_ids, t_mask, t_decode, cache_class)
+                reference = (
+                    contract_run(single, t_ids, t_mask, t_decode, cache_class)[0] if single is not None else None
+                )
+                reference = shared_reference(reference, ours)
                 diff = max(diff, max((a.double() - b.double()).abs().max().item() for a, b in zip(ours, reference)))
                 want = expected_kv_length(model, width, cache)
                 got = [cache.keys[i].shape[2] if i in cache.keys else 0 for i in ATTENTION_LAYERS]
@@ -125,13 +148,13 @@ for label, path in checkpoints:
         runs += [("recompute", greedy.replace(max_new_tokens=3, use_cache=False))]
         runs += [("repeated", seeded.replace(num_return_sequences=2))]
         for width in WIDTHS + SHORT_WIDTHS:
-            ids, mask, _ = padded_batch(single.vocab_size, width)
+            ids, mask, _ = padded_batch(model.vocab_size, width)
             for name, cfg in runs:
                 if name in ("recompute", "repeated") and width not in WIDTHS[:1]:
                     continue
                 got = generate(model, ids, cfg, attention_mask=mask).numpy()
-                want = generate(single, ids, cfg, attention_mask=mask).numpy()
-                say(tag.format(name) + f" width={width} equal={np.array_equal(got, want)} tokens={got.tolist()}")
+                equal = single_tokens(single, ids, cfg, mask, got)
+                say(tag.format(name) + f" width={width} equal={equal} tokens={got.tolist()}")
 
         # the Ulysses all-to-all strategy for full-attention prefill: the same checks, the same tokens
         utag = f"rank {rank}: {{}} {label}/{dtype}/ulysses"
@@ -142,12 +165,15 @@ for label, path in checkpoints:
             continue
         say(utag.format("load") + f" cp_plan={ulysses.cp_plan}")
         for width in WIDTHS:
-            ids, mask, decode_ids = padded_batch(single.vocab_size, width)
+            ids, mask, decode_ids = padded_batch(model.vocab_size, width)
             t_ids, t_mask, t_decode = (torch.from_numpy(a) for a in (ids, mask, decode_ids))
             diff, kv_ok = 0.0, True
             for cache_class in (StaticCache, DynamicCache):
                 ours, cache = contract_run(ulysses, t_ids, t_mask, t_decode, cache_class)
-                reference, _ = contract_run(single, t_ids, t_mask, t_decode, cache_class)
+                reference = (
+                    contract_run(single, t_ids, t_mask, t_decode, cache_class)[0] if single is not None else None
+                )
+                reference = shared_reference(reference, ours)
                 diff = max(diff, max((a.double() - b.double()).abs().max().item() for a, b in zip(ours, reference)))
                 want = expected_kv_length(ulysses, width, cache)
                 kv_ok &= all(cache.keys[i].shape[2] == want for i in ATTENTION_LAYERS) and want < cache.max_length
@@ -155,8 +181,8 @@ for label, path in checkpoints:
             say(utag.format("kvshard") + f" width={width} ok={kv_ok}")
             for name, cfg in runs[:3]:
                 got = generate(ulysses, ids, cfg, attention_mask=mask).numpy()
-                want = generate(single, ids, cfg, attention_mask=mask).numpy()
-                say(utag.format(name) + f" width={width} equal={np.array_equal(got, want)} tokens={got.tolist()}")
+                equal = single_tokens(single, ids, cfg, mask, got)
+                say(utag.format(name) + f" width={width} equal={equal} tokens={got.tolist()}")
         del ulysses
 
 # a rank handed a different prompt: the same ValueError on every rank, no hang
