@@ -9,6 +9,7 @@ on left-padded batches of a 70-token row with a 3-token row and of a 200-token r
 decode) and the cache slices. The mesh is tp innermost (rank = cp_rank * 2 + tp_rank): tp groups
 {0, 1}, {2, 3} carry the row-parallel sums and the vocabulary gather, cp groups {0, 2}, {1, 3} the
 K|V / conv-halo / state / log-sum-exp all-gathers, generate()'s input check spans all 4 ranks.
+The compiled one-token blocks run on the first (dense float64) run only; the others run PyNative.
 MindSpore's CPU AllGather runs on the world group only, so the subgroups' all-gathers travel as
 world AllGathers (hyper_gen.backends.mindspore.ops); the float32 tp sums use AllReduce on the tp
 subgroup.
