@@ -204,3 +204,8 @@ try:
 except ValueError as exc:
     say(f"rank {rank}: world ValueError: {exc}")
 dist.destroy_process_group()
+# leave past the interpreter's teardown: a gloo thread can abort a rank there after all its work
+# ("terminate called without an active exception", pytorch/pytorch#179291)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)

@@ -13,6 +13,7 @@ the tokens it gave before the case. Prints ``rank R: <check> <label> <values>`` 
 raises between collectives (a rank stopping early would leave the other waiting in one).
 """
 
+import os
 import sys
 
 import torch
@@ -98,3 +99,8 @@ run_cases("fsdp", sharded, ids, mask, VOCAB, **greedy)
 say(rank, "done", "all", "ok")
 del sharded, tp_model
 dist.barrier()  # leave together: a rank whose peer tore its gloo pairs down first can abort at exit
+# leave past the interpreter's teardown: a gloo thread can abort a rank there after all its work
+# ("terminate called without an active exception", pytorch/pytorch#179291)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)

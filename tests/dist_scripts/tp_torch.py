@@ -6,6 +6,7 @@ tests/test_tp_torch.py reads the lines.
 usage: tp_torch.py LABEL=CHECKPOINT_DIR ...
 """
 
+import os
 import sys
 
 import numpy as np
@@ -212,3 +213,8 @@ except ValueError as exc:
 out = generate(tp_model, ids, cfg, attention_mask=mask).numpy()
 say(f"rank {rank}: after-mismatch tokens={out.tolist()}")
 dist.destroy_process_group()
+# leave past the interpreter's teardown: a gloo thread can abort a rank there after all its work
+# ("terminate called without an active exception", pytorch/pytorch#179291)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
