@@ -15,6 +15,7 @@ from cp_mindspore_contract import (
     REFERENCE_RANK,
     contract_run,
     shared_reference,
+    single_tokens,
 )  # this folder: on sys.path as the script's
 
 from hyper_gen import GenerationConfig, generate, load_model
@@ -72,10 +73,9 @@ for index, (label, path) in enumerate(checkpoints):
             diff, kv_ok, kv_lengths = 0.0, True, []
             for cache_class in (StaticCache, DynamicCache):
                 ours, cache = contract_run(model, ids, mask, decode_ids, cache_class, dtype)
-                reference = None
-                if single is not None:
-                    reference, _ = contract_run(single, ids, mask, decode_ids, cache_class, dtype)
-                    reference = reference if all(a.shape == b.shape for a, b in zip(ours, reference)) else None
+                reference = (
+                    contract_run(single, ids, mask, decode_ids, cache_class, dtype)[0] if single is not None else None
+                )
                 reference = shared_reference(ops, rank, reference, ours)
                 diff = max(diff, max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(ours, reference)))
                 want = expected_kv_length(model, width, cache)
@@ -95,11 +95,7 @@ for index, (label, path) in enumerate(checkpoints):
                 if name == "dynamic" and width not in WIDTHS:
                     continue
                 got = generate(model, ids, cfg, attention_mask=mask).asnumpy()
-                equal = (
-                    np.array_equal(got, generate(single, ids, cfg, attention_mask=mask).asnumpy())
-                    if single is not None
-                    else "-"
-                )
+                equal = single_tokens(single, ids, cfg, mask, got)
                 say(tag.format(name) + f" width={width} equal={equal} tokens={got.tolist()}")
 
 # a rank handed a different prompt: the same ValueError on every rank, no hang

@@ -5,24 +5,35 @@ followed by teacher-forced decode steps."""
 import mindspore as ms
 import numpy as np
 
+from hyper_gen import generate
 from hyper_gen.backends.mindspore.ops import MindSporeOps
 
 REFERENCE_RANK = 0  # the one rank that also runs the model whole (the single-device reference)
 
 
 def shared_reference(ops, rank, reference, ours):
-    """The reference rank's single-device outputs (``reference``; None elsewhere, or of the wrong
-    shapes), on every rank: only that rank pays for running the model whole (the others wait in
-    this all-gather, which does not spin), and each rank still compares its own outputs. They
-    travel as raw int32 words, exact for float64 too."""
+    """The reference rank's single-device outputs (``reference``; None elsewhere) on every rank:
+    only that rank pays for running the model whole (the others wait in this all-gather, which does
+    not spin), and each rank still compares its own outputs. They travel as raw int32 words, exact
+    for float64 too. A reference of other shapes than ``ours`` arrives as inf, so the comparison fails."""
+    fits = reference is not None and len(reference) == len(ours)
+    fits = fits and all(a.shape == b.shape for a, b in zip(reference, ours))
     shared = []
-    for mine in ours:
-        words = np.zeros_like(mine)  # (a reference of the wrong shape: NaN, so the comparison fails)
+    for i, mine in enumerate(ours):
+        words = np.zeros_like(mine)
         if rank == REFERENCE_RANK:
-            words = reference[len(shared)].astype(mine.dtype) if reference is not None else words + np.nan
-        gathered = ops.to_numpy(ops.all_gather(ops.asarray(words.view(np.int32)), axis=0))
+            words = reference[i].astype(mine.dtype) if fits else words + np.inf
+        gathered = ops.to_numpy(ops.all_gather(ops.asarray(np.ascontiguousarray(words).view(np.int32)), axis=0))
         shared.append(gathered[: mine.shape[0]].view(mine.dtype).reshape(mine.shape))
     return shared
+
+
+def single_tokens(single, ids, cfg, mask, got):
+    """Whether ``got`` is the single-device run's tokens, on the reference rank (the one holding the
+    model whole); "-" elsewhere."""
+    if single is None:
+        return "-"
+    return np.array_equal(got, generate(single, ids, cfg, attention_mask=mask).asnumpy())
 
 
 def contract_mask(prompt_mask, past, seq, total, dtype):

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch_exit import exit_past_teardown  # this folder: on sys.path as the script's
 
 from hyper_gen import GenerationConfig, generate, load_model
 from hyper_gen.backends.torch.ops import TorchOps
@@ -86,10 +87,10 @@ def contract_run(model, ids, prompt_mask, decode_ids, cache_class):
 
 def shared_reference(reference, ours):
     """Rank 0's single-device outputs (``reference``; None elsewhere) on every rank, broadcast in
-    the shapes of this rank's ``ours`` (a reference of other shapes arrives as NaN: the check fails)."""
+    the shapes of this rank's ``ours`` (a reference of other shapes arrives as inf: the check fails)."""
     shared = []
     for i, mine in enumerate(ours):
-        buf = torch.full_like(mine, float("nan"))
+        buf = torch.full_like(mine, float("inf"))
         if reference is not None and len(reference) == len(ours) and reference[i].shape == mine.shape:
             buf = reference[i].to(mine.dtype).contiguous()
         dist.broadcast(buf, src=0)
@@ -204,8 +205,4 @@ try:
 except ValueError as exc:
     say(f"rank {rank}: world ValueError: {exc}")
 dist.destroy_process_group()
-# leave past the interpreter's teardown: a gloo thread can abort a rank there after all its work
-# ("terminate called without an active exception", pytorch/pytorch#179291)
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+exit_past_teardown()

@@ -14,11 +14,11 @@ from cp_mindspore_contract import (
     REFERENCE_RANK,
     contract_run,
     shared_reference,
+    single_tokens,
 )  # this folder: on sys.path as the script's
 
 from hyper_gen import GenerationConfig, generate, load_model
 from hyper_gen.backends.mindspore import compile as ms_compile
-from hyper_gen.backends.mindspore.models import qwen3_5 as ms_port
 from hyper_gen.cache import DynamicCache, StaticCache
 from hyper_gen.parallel.launcher import host_ops, init_distributed
 
@@ -64,18 +64,14 @@ def kv_sliced(model, width, cache):
     return all(n == want for n in got) and want < cache.max_length
 
 
-def compiled_decode(on: bool) -> None:
-    """$HYPER_GEN_MINDSPORE_JIT for the runs that follow (the switch is read at import): compiling
-    the one-token blocks for every batch size and dtype on 4 ranks was most of this job, so the
-    compiled blocks run under tp x cp on the first run (the 1e-9 float64 one) and PyNative, which
-    they equal bit for bit (test_mindspore_compiled_decode.py), on the others."""
-    ms_compile.COMPILED_DECODE = ms_port.COMPILED_DECODE = on
-
-
 model = None
 for index, (label, path) in enumerate(checkpoints):
     for dtype in DTYPES if index == 0 else DTYPES[:1]:
-        compiled_decode((index, dtype) == (0, DTYPES[0]))
+        # $HYPER_GEN_MINDSPORE_JIT (read at import) for this run: compiling the one-token blocks for every
+        # batch size and dtype on 4 ranks was most of this job, so they run compiled on the first run
+        # (float64, the 1e-9 bar) and PyNative, their bit-for-bit equal (test_mindspore_compiled_decode.py),
+        # on the others
+        ms_compile.COMPILED_DECODE = (index, dtype) == (0, DTYPES[0])
         model = load_model(path, backend="mindspore", dtype=dtype, tp=TP, cp=CP)
         single = load_model(path, backend="mindspore", dtype=dtype) if rank == REFERENCE_RANK else None
         tag = f"rank {rank}: {{}} {label}/{dtype}"
@@ -90,11 +86,7 @@ for index, (label, path) in enumerate(checkpoints):
             ids, mask = padded_batch(model.vocab_size, width)
             for name, cfg in (("greedy", greedy), ("seeded", seeded)):
                 got = generate(model, ids, cfg, attention_mask=mask).asnumpy()
-                equal = (
-                    np.array_equal(got, generate(single, ids, cfg, attention_mask=mask).asnumpy())
-                    if single is not None
-                    else "-"
-                )
+                equal = single_tokens(single, ids, cfg, mask, got)
                 say(tag.format(name) + f" width={width} equal={equal} tokens={got.tolist()}")
                 if name == "greedy":  # rows are [prompt | generated | pad]: the greedy tokens (one device's on rank 0)
                     decode_ids = np.stack([got[i, n : n + NEW_TOKENS] for i, n in enumerate(mask.sum(1))])
@@ -107,7 +99,7 @@ for index, (label, path) in enumerate(checkpoints):
                 if single is not None:
                     reference, _ = contract_run(single, ids, mask, decode_ids, cache_class, dtype)
                     kv_ok &= all(a.shape == b.shape for a, b in zip(ours, reference))
-                reference = shared_reference(ops, rank, reference if kv_ok else None, ours)
+                reference = shared_reference(ops, rank, reference, ours)
                 diff = max(diff, max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(ours, reference)))
                 kv_ok &= kv_sliced(model, width, cache)
             say(tag.format("logits") + f" width={width} steps={len(ours)} maxdiff={diff:.3e} kv_ok={kv_ok}")
@@ -127,6 +119,7 @@ out = generate(model, ids, cfg, attention_mask=mask).asnumpy()
 say(f"rank {rank}: after-mismatch tokens={out.tolist()}")
 
 # a mesh other than the world: load_model's check, and the port's own (a direct load() call)
+from hyper_gen.backends.mindspore.models import qwen3_5  # noqa: E402
 from hyper_gen.models.checkpoint import Checkpoint  # noqa: E402
 from hyper_gen.parallel.cp_plan import CPPlan  # noqa: E402
 from hyper_gen.parallel.tp_plan import TPPlan  # noqa: E402
@@ -137,7 +130,7 @@ try:
 except ValueError as exc:
     say(f"rank {rank}: world ValueError: {exc}")
 try:
-    ms_port.load(Checkpoint(checkpoints[0][1]), "float32", plan=TPPlan(2, rank % 2), cp_plan=CPPlan(4, rank // 2))
+    qwen3_5.load(Checkpoint(checkpoints[0][1]), "float32", plan=TPPlan(2, rank % 2), cp_plan=CPPlan(4, rank // 2))
     say(f"rank {rank}: port-world NO ERROR")
 except ValueError as exc:
     say(f"rank {rank}: port-world ValueError: {exc}")

@@ -13,13 +13,13 @@ the tokens it gave before the case. Prints ``rank R: <check> <label> <values>`` 
 raises between collectives (a rank stopping early would leave the other waiting in one).
 """
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from rollout_common import CharTokenizer, build_model, catch, prompts, say, setup
 from torch.distributed.fsdp import fully_shard
+from torch_exit import exit_past_teardown  # this folder: on sys.path as the script's
 
 from hyper_gen import generate, load_model
 from hyper_gen.config import MAX_ROWS
@@ -99,8 +99,4 @@ run_cases("fsdp", sharded, ids, mask, VOCAB, **greedy)
 say(rank, "done", "all", "ok")
 del sharded, tp_model
 dist.barrier()  # leave together: a rank whose peer tore its gloo pairs down first can abort at exit
-# leave past the interpreter's teardown: a gloo thread can abort a rank there after all its work
-# ("terminate called without an active exception", pytorch/pytorch#179291)
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+exit_past_teardown()

@@ -17,8 +17,6 @@ Prints ``rank R: <check> <label> OK|MISMATCH ... seconds=S`` lines (tests/test_r
 """
 
 import copy
-import os
-import sys
 import time
 from datetime import timedelta
 
@@ -38,6 +36,7 @@ from rollout_common import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch_exit import exit_past_teardown  # this folder: on sys.path as the script's
 
 from hyper_gen import generate
 
@@ -182,8 +181,4 @@ say(rank, "unsynced", "synced_gpus=False", f"type={kind} seconds={seconds:.2f} m
 time.sleep(0.1)
 dist.barrier()  # on the default group, which the stuck all-gather never touched
 say(rank, "done", "all", "ok")
-# leave past the interpreter's teardown: a gloo thread can abort a rank there after all its work
-# ("terminate called without an active exception", pytorch/pytorch#179291)
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+exit_past_teardown()

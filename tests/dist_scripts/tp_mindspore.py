@@ -175,14 +175,6 @@ def generate_checks(kind, single, sharded, dtype, sampling=True):
 # ------------------------------------------------------------------------------ checks
 
 
-def compiled_decode(on: bool) -> None:
-    """$HYPER_GEN_MINDSPORE_JIT for the runs that follow (the switch is read at import): compiling
-    the one-token blocks for every batch size, dtype and checkpoint was most of this job, so they
-    run compiled on the dense float64 run and PyNative, which they equal bit for bit
-    (test_mindspore_compiled_decode.py), on the others."""
-    ms_compile.COMPILED_DECODE = qwen3_5.COMPILED_DECODE = on
-
-
 def check_kind(kind, path):
     full = kind in FULL_KINDS
     # a tp that does not divide the heads, or a plan that is not this process's place in the
@@ -196,7 +188,10 @@ def check_kind(kind, path):
             report(kind, check, error=str(exc), reads=len(checkpoint.reads))
 
     for dtype in ("float64", "float32") if full else ("float64",):
-        compiled_decode((kind, dtype) == ("dense", "float64"))
+        # $HYPER_GEN_MINDSPORE_JIT (read at import) for this run: compiling the one-token blocks for every
+        # batch size, dtype and checkpoint was most of this job, so they run compiled on the dense float64
+        # run and PyNative, their bit-for-bit equal (test_mindspore_compiled_decode.py), on the others
+        ms_compile.COMPILED_DECODE = (kind, dtype) == ("dense", "float64")
         whole_checkpoint, shard_checkpoint = RecordingCheckpoint(path), RecordingCheckpoint(path)
         single = qwen3_5.load(whole_checkpoint, dtype)
         sharded = qwen3_5.load(shard_checkpoint, dtype, plan=PLAN)

@@ -6,12 +6,12 @@ tests/test_tp_torch.py reads the lines.
 usage: tp_torch.py LABEL=CHECKPOINT_DIR ...
 """
 
-import os
 import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch_exit import exit_past_teardown  # this folder: on sys.path as the script's
 
 from hyper_gen import GenerationConfig, generate, load_model
 from hyper_gen.backends.torch.ops import TorchOps
@@ -213,8 +213,4 @@ except ValueError as exc:
 out = generate(tp_model, ids, cfg, attention_mask=mask).numpy()
 say(f"rank {rank}: after-mismatch tokens={out.tolist()}")
 dist.destroy_process_group()
-# leave past the interpreter's teardown: a gloo thread can abort a rank there after all its work
-# ("terminate called without an active exception", pytorch/pytorch#179291)
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+exit_past_teardown()

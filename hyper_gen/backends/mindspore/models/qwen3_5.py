@@ -12,9 +12,9 @@ import numpy as np
 from mindspore import ParameterTuple, Tensor, nn, ops
 
 from hyper_gen import matmul_widths
+from hyper_gen.backends.mindspore import compile as compiling
 from hyper_gen.backends.mindspore import decode, layers
 from hyper_gen.backends.mindspore.compile import (
-    COMPILED_DECODE,
     DYNAMIC_COMPILE_AFTER,
     STATIC_CACHE_MULTIPLE,
     CompileGate,
@@ -114,7 +114,7 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Cell):
         # its one-graph decode step is compiled for the static cache's buffer length: generate()
         # rounds that length up to a multiple of this (hyper_gen.cache.static_length), so batches
         # of other prompt lengths reuse the graph instead of compiling their own (~1-3 s each)
-        whole_step = self.segments_decode and self.cp_plan.cp == 1 and COMPILED_DECODE
+        whole_step = self.segments_decode and self.cp_plan.cp == 1 and compiling.COMPILED_DECODE
         self.static_cache_multiple = STATIC_CACHE_MULTIPLE if whole_step else 1
         # decode steps of a batch size with a dynamic cache before they run compiled (CompileGate)
         self.decode_compile_after = DYNAMIC_COMPILE_AFTER
