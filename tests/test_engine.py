@@ -83,14 +83,15 @@ def test_a_request_never_waits_for_the_batch(backend, tokenizer, one_torch_threa
     ids = prompts(tokenizer, 7, seed=3)
     held = []  # per decode step: (blocks each row holds, blocks its own positions need)
     with Engine(model, tokenizer, max_batch_size=2, block_size=4) as engine:
-        decode, batch = engine._batch.decode, engine._batch
+        runner, kv = engine._runner, engine._scheduler.kv
+        decode = runner.decode
 
-        def recording_decode():
-            for row, length in zip(batch.rows, batch.lengths):
-                held.append((len(batch.kv.block_table(row.key)), -(-int(length) // 4)))
-            return decode()
+        def recording_decode(order, lengths):
+            for row, length in zip(order, lengths):  # (the pending token's position has its slot)
+                held.append((len(kv.block_table(runner.rows[row].key)), -(-(int(length) + 1) // 4)))
+            return decode(order, lengths)
 
-        engine._batch.decode = recording_decode
+        runner.decode = recording_decode
         long = engine.submit(ids[0], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
         next(iter(long))
         shorts = []

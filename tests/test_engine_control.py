@@ -33,14 +33,14 @@ def tokenizer():
 def slowed(engine, seconds=0.02):
     """Count the engine's decode steps (``counter[0]``) and make each one last at least ``seconds``,
     so a request of a few dozen tokens is surely still running when the test acts on it."""
-    decode, counter = engine._batch.decode, [0]
+    decode, counter = engine._runner.decode, [0]
 
-    def counted():
+    def counted(order, lengths):
         counter[0] += 1
         time.sleep(seconds)
-        return decode()
+        return decode(order, lengths)
 
-    engine._batch.decode = counted
+    engine._runner.decode = counted
     return counter
 
 

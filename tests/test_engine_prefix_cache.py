@@ -100,13 +100,13 @@ def test_n_choices_share_the_prompt_blocks_and_sample_as_generate(root, backend,
 def _logits(engine):
     """Record the float64 logits the engine chooses each token from (before the cast to float32)."""
     seen = []
-    scores = engine._scores
+    scores = engine._runner._scores
 
     def recording(logits):
         seen.append(np.asarray(host(logits), dtype=np.float64))
         return scores(logits)
 
-    engine._scores = recording
+    engine._runner._scores = recording
     return seen
 
 
@@ -197,18 +197,20 @@ def test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens(root, 
     """A 300-token row and three 5-token rows: the step splits them in two forwards by length (one
     forward would gather every short row padded to 300 positions); tokens are generate()'s, and the
     MoE routing of each row comes back in its own order."""
-    from hyper_gen.engine import paged
+    from hyper_gen.engine import runner
 
-    assert [g.tolist() for g in paged.length_groups(np.array([5, 3000, 6, 5]))] == [[0, 3, 2], [1]]
-    assert [g.tolist() for g in paged.length_groups(np.array([5, 300, 6, 5]))] == [[0, 1, 2, 3]]  # < 2048 saved
-    assert [g.tolist() for g in paged.length_groups(np.array([5, 300, 6, 5]), padding=256)] == [[0, 3, 2], [1]]
+    assert [g.tolist() for g in runner.length_groups(np.array([5, 3000, 6, 5]))] == [[0, 3, 2], [1]]
+    assert [g.tolist() for g in runner.length_groups(np.array([5, 300, 6, 5]))] == [[0, 1, 2, 3]]  # < 2048 saved
+    assert [g.tolist() for g in runner.length_groups(np.array([5, 300, 6, 5]), padding=256)] == [[0, 3, 2], [1]]
     model = model_of(root, "moe", backend)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(8, VOCAB, n).tolist() for n in (5, 300, 6, 5)]
     with Engine(model, enable_prefix_caching=False) as engine:
-        engine._batch.split_padding = 256  # (the tiny model's context is 512 positions)
-        decodes, forward = [], engine._batch._decode_rows
-        engine._batch._decode_rows = lambda rows, routes: decodes.append(len(rows)) or forward(rows, routes)
+        engine._runner.split_padding = 256  # (the tiny model's context is 512 positions)
+        decodes, forward = [], engine._runner._decode_rows
+        engine._runner._decode_rows = lambda rows, lengths, routes: (
+            decodes.append(len(rows)) or forward(rows, lengths, routes)
+        )
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
         outs = [s.result(timeout=120) for s in [engine.submit(p, params) for p in prompts]]
     assert 1 in decodes  # the long row alone
@@ -224,4 +226,4 @@ def test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens(root, 
 def test_max_prefill_tokens_is_the_old_name_of_the_step_budget(root):
     with pytest.warns(DeprecationWarning, match="max_num_batched_tokens"):
         engine = Engine(model_of(root, "dense", "torch"), max_prefill_tokens=64)
-    assert engine._batch.max_num_batched_tokens == 64
+    assert engine._scheduler.max_num_batched_tokens == 64

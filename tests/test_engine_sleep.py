@@ -82,7 +82,7 @@ def test_sleep_hands_the_pool_back_to_the_os_on_torch(one_torch_thread):
         time.sleep(0.2)
         asleep = process.memory_info().rss
         engine.wake_up()
-        assert engine._batch.store.allocated
+        assert engine._runner.store.allocated
     assert awake - asleep >= 0.9 * pool, (awake, asleep, pool)
 
 

@@ -144,20 +144,21 @@ def memory(model, args, vocab, rng):
     lengths = rng.integers(16, 1025, 64)
     requests = [(rng.integers(10, vocab, int(n)).tolist(), _greedy(8)) for n in lengths]
     with _engine(model, args, enable_prefix_caching=False) as engine:
-        batch, peaks = engine._batch, {"used": 0, "live": 0, "ragged": 0}
-        decode = batch.decode
-        per_token, per_block = batch.layout.bytes_per_token(), engine.stats()["bytes_per_block"]
-        states = batch.layout.bytes_per_state()
+        runner, kv, peaks = engine._runner, engine._scheduler.kv, {"used": 0, "live": 0, "ragged": 0}
+        decode = runner.decode
+        per_token, per_block = runner.layout.bytes_per_token(), engine.stats()["bytes_per_block"]
+        states = runner.layout.bytes_per_state()
 
-        def measured():
-            used = batch.kv.stats()["blocks_used"] * per_block + len(batch.rows) * states
-            live = int(batch.lengths.sum()) * per_token + len(batch.rows) * states
-            ragged = len(batch.rows) * int(batch.lengths.max(initial=0)) * per_token + len(batch.rows) * states
+        def measured(order, lengths):
+            rows = len(order)
+            used = kv.stats()["blocks_used"] * per_block + rows * states
+            live = int(lengths.sum()) * per_token + rows * states
+            ragged = rows * int(lengths.max(initial=0)) * per_token + rows * states
             for key, value in (("used", used), ("live", live), ("ragged", ragged)):
                 peaks[key] = max(peaks[key], value)
-            return decode()
+            return decode(order, lengths)
 
-        batch.decode = measured
+        runner.decode = measured
         wall, tokens, _, _ = _timed_requests(engine, requests)
     mib = 1 << 20
     print(f"memory: 64 requests, prompts {lengths.min()}..{lengths.max()} tokens, 8 new each ({wall:.1f} s)")
@@ -250,7 +251,7 @@ def _engine_step_s(model, args, prompts, steps: int = 32) -> float:
     engine = _engine(model, args).start(background=False)
     for prompt in prompts:
         engine.submit(prompt, _greedy(steps + 8))
-    while engine._batch.prefilling:
+    while engine._waiting or engine._scheduler.waiting or engine._runner.prefills:
         engine.step()
     timings = []
     for _ in range(steps):

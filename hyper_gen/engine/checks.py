@@ -62,16 +62,16 @@ def check_request(engine, prompt_len: int, params) -> None:
             f"the prompt's {prompt_len} tokens + max_tokens={params.max_tokens} = {positions} positions, more "
             f"than max_model_len={engine.max_model_len}: shorten the prompt or lower max_tokens"
         )
-    kv = engine._batch.kv
+    kv = engine._scheduler.kv
     if not kv.can_ever_fit(positions):
         raise ValueError(
             f"the prompt's {prompt_len} tokens + max_tokens={params.max_tokens} need {kv.blocks_needed(positions)} "
             f"KV cache blocks of {kv.block_size} positions, more than the engine's whole pool of {kv.num_blocks} "
-            f"(cache_memory_bytes={engine._batch.cache_memory_bytes}): raise cache_memory_bytes, or shorten the "
+            f"(cache_memory_bytes={engine.cache_memory_bytes}): raise cache_memory_bytes, or shorten the "
             "prompt or max_tokens"
         )
     if params.return_routed_experts:
-        engine._batch.check_routes()  # ValueError: the model has no MoE layers
+        engine._runner.check_routes()  # ValueError: the model has no MoE layers
     if params.n > engine.max_batch_size:
         raise ValueError(f"n={params.n} is more than the engine's max_batch_size={engine.max_batch_size}")
     if params.stop and engine.tokenizer is None:

@@ -466,7 +466,7 @@ class EngineControl:
         """After an update: outputs carry ``version``, and nothing the old weights computed is served
         from the prefix cache again (running rows keep their cache but are never cached)."""
         self._weight_version = version
-        self._batch.reset_prefix_cache(version_key(version))
+        self._scheduler.kv.reset(version_key(version))
 
     def _plan_sleep(self, ending) -> Optional[bool]:
         """A multi-rank sleep / wake_up for the next plan (lock held): None when there is none, or it
@@ -514,10 +514,11 @@ class EngineControl:
     def _switch_pool(self, asleep: bool) -> None:
         """Release (``asleep``) or allocate this rank's cache pool."""
         if asleep:
-            self._batch.clear()
-            self._batch.sleep()
+            self._scheduler.clear()
+            self._scheduler.kv.reset(self._scheduler.kv.prefix.extra_key)
+            self._runner.sleep()
         else:
-            self._batch.wake_up()
+            self._runner.wake_up()
         with self._cond:
             self._asleep = asleep
 

@@ -44,18 +44,17 @@ from ..config import model_defaults
 from ..inputs import ModelLimits
 from ..kv_cache.manager import DEFAULT_STATE_SNAPSHOT_BLOCKS
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
-from ..parallel.model_group import exclusive, gather_vocab_logits, parallel_group
+from ..parallel.model_group import exclusive, parallel_group
 from ..registry import backend_for, thread_initializer
 from ..scoring import prompt_top_logprobs
 from .checks import check_engine_model, check_prompt_ids, check_request, positive_int
 from .control import Control, EngineControl, RecentIds
 from .outputs import ChoiceOutput, CompletionChunk, RequestOutput, prompt_logprob_entries
-from .paged import build_paged_batch
 from .params import SamplingParams
 from .plan import Admission, StepPlan, share_plan
 from .request import Request
 from .routes import keep_route, routed_experts
-from .selector import select
+from .runner import build
 from .stream import RequestStream
 
 
@@ -139,7 +138,7 @@ class Engine(EngineControl):
         # multi-rank update_weights: how long a rank waits for its peers' calls (control.py)
         self.update_timeout_s = collective_timeout_s() or 600.0
         with exclusive(self.ops, model), self.ops.no_grad():
-            self._batch = build_paged_batch(
+            self._scheduler, self._runner, self.cache_memory_bytes = build(
                 model,
                 self.ops,
                 self.ops.param_dtype(model),
@@ -150,13 +149,17 @@ class Engine(EngineControl):
                 state_snapshot_blocks=state_snapshot_blocks,
                 max_batch_size=self.max_batch_size,
                 max_model_len=self.max_model_len,
+                admit_batch=self.admit_batch,
+                vocab_size=self.vocab_size,
+                logprobs=self.rank == 0,
             )
+        self._runner.request_of = lambda serial: self._live[serial]
         self._asleep = False
         self._sleep_ticket: Optional[Control] = None  # rank 0 of a multi-rank engine: the sleep / wake_up to plan
         self._cond = threading.Condition()  # guards everything below that other threads touch
-        self._waiting: deque = deque()  # rank 0: submitted, not admitted
+        self._waiting: deque = deque()  # rank 0: submitted, not yet handed to the scheduler
         self._cancels: set = set()  # rank 0: serials whose streams asked to cancel
-        self._live: dict = {}  # serial -> Request admitted and not yet closed
+        self._live: dict = {}  # serial -> Request in the scheduler (or, on the other ranks, the runner)
         self._drops: List[tuple] = []  # rank 0: rows to drop at the next plan
         self._controls: List[Control] = []  # rank 0: abort / pause / resume tickets for the next plan
         self._paused = False  # rank 0: plans hold the batch (no forward, no admission)
@@ -208,7 +211,7 @@ class Engine(EngineControl):
                     plan, aborted, tickets = self._plan_step()
                 self._settle(aborted, tickets)
                 if self._idle(plan):
-                    return bool(self._waiting) and not self._paused
+                    return bool(self._waiting or len(self._scheduler)) and not self._paused
                 try:
                     if self.world_size > 1:
                         share_plan(self.ops, plan)
@@ -266,12 +269,14 @@ class Engine(EngineControl):
         (prompt tokens looked up / found cached, cumulative, as vLLM counts them),
         ``preemptions``, ``cache_memory_bytes``, ``block_size`` and ``bytes_per_block`` (K and V of
         every attention layer for one block: a budget of N blocks is N times that)."""
-        stats = {"running": len(self._live), "waiting": len(self._waiting)}
-        stats.update(self._batch.stats())
+        queued = {seq.request.serial for seq in list(self._scheduler.waiting) if not seq.resume}
+        queued -= {seq.request.serial for seq in list(self._scheduler.running)}
+        stats = {"running": len(self._live) - len(queued), "waiting": len(self._waiting) + len(queued)}
+        stats.update(self._scheduler.stats())
         stats["kv_cache_usage"] = stats["blocks_used"] / max(stats["blocks_total"], 1)
-        stats["cache_memory_bytes"] = self._batch.cache_memory_bytes
-        stats["block_size"] = self._batch.kv.block_size
-        stats["bytes_per_block"] = self._batch.layout.bytes_per_token() * self._batch.kv.block_size
+        stats["cache_memory_bytes"] = self.cache_memory_bytes
+        stats["block_size"] = self._scheduler.kv.block_size
+        stats["bytes_per_block"] = self._runner.layout.bytes_per_token() * self._scheduler.kv.block_size
         return stats
 
     # ---- requests ------------------------------------------------------------------------
@@ -402,10 +407,9 @@ class Engine(EngineControl):
         return bool(self._cancels or self._controls or (self._waiting and not self._paused))
 
     def _idle(self, plan: StepPlan) -> bool:
-        """Whether running ``plan`` would change nothing: no row joins or leaves and none decodes."""
-        return not (plan.admissions or plan.drops or plan.shutdown or plan.update or plan.sleep is not None) and (
-            plan.hold or not len(self._batch)
-        )
+        """Whether running ``plan`` would change nothing: no row leaves, nothing is computed."""
+        work = plan.scheduled is not None and not plan.scheduled.empty
+        return not (plan.drops or plan.shutdown or plan.update or plan.sleep is not None or (work and not plan.hold))
 
     def _shutdown_plan(self):
         """The last plan: every request still queued or running ends (lock held)."""
@@ -413,6 +417,7 @@ class Engine(EngineControl):
         aborted += list(self._waiting) + list(self._live.values())
         self._waiting.clear()
         self._paused = False
+        self._scheduler.clear()
         return StepPlan(drops=self._take_drops(aborted), shutdown=True), aborted, tickets
 
     def _take_drops(self, requests) -> list:
@@ -422,7 +427,8 @@ class Engine(EngineControl):
 
     def _plan_step(self):
         """(plan, requests to abort, control tickets) from the queue, the cancels, the abort / pause
-        tickets and the rows that ended (lock held). A paused engine's plan holds the batch."""
+        tickets and the rows that ended (lock held), then the scheduler's step. A paused engine's
+        plan holds the batch; a step that updates weights or sleeps computes nothing."""
         cancelled = []
         for serial in self._cancels:
             queued = [r for r in self._waiting if r.serial == serial]
@@ -435,27 +441,26 @@ class Engine(EngineControl):
         aborted, tickets = self._take_controls()
         cancelled += aborted
         drops = self._take_drops([r for r in cancelled if r.choices])
+        self._scheduler.drop(drops)
         sleep = self._plan_sleep(cancelled)
-        if self._paused or self._asleep or sleep is not None:
-            plan = StepPlan(drops=drops, hold=self._paused, update=self._update_spec(), sleep=sleep)
-            return plan, cancelled, tickets
-        admissions = []
-        free = self.max_batch_size - len(self._batch) + sum(1 for d in drops if self._in_batch(d))
-        wanted = sum(r.params.n for r in itertools.islice(self._waiting, self.admit_batch))
-        if free < min(self.admit_batch, wanted) and free < self.max_batch_size:
-            free = 0  # wait for more slots to free up, then prefill several requests at once
-        while self._waiting and self._waiting[0].params.n <= free:
-            request = self._waiting[0]
-            self._waiting.popleft()
-            free -= request.params.n
+        update = self._update_spec()
+        control = any(t.update is not None or t.sleep is not None for t in tickets)  # (settled before the step)
+        if self._paused or self._asleep or sleep is not None or update is not None or control:
+            return StepPlan(drops=drops, hold=self._paused, update=update, sleep=sleep), cancelled, tickets
+        while self._waiting:
+            request = self._waiting.popleft()
+            request.open_choices(self.eos_token_ids, self.tokenizer)
             self._live[request.serial] = request
+            self._scheduler.add(request)
+        scheduled = self._scheduler.schedule()
+        admissions = []
+        for serial in scheduled.new_requests:
+            request = self._live[serial]
             admissions.append(
                 Admission(request.serial, request.request_id, request.prompt, request.params, request.noise_seed)
             )
-        return StepPlan(admissions, drops, update=self._update_spec()), cancelled, tickets
-
-    def _in_batch(self, key) -> bool:
-        return self._batch.holds(key)
+        plan = StepPlan(admissions, drops, scheduled=None if scheduled.empty else scheduled)
+        return plan, cancelled, tickets
 
     def _die(self, error: BaseException) -> None:
         with self._cond:
@@ -498,27 +503,28 @@ class Engine(EngineControl):
         with exclusive(self.ops, self.model):
             if plan.drops:
                 gone = set(map(tuple, plan.drops))
-                self._batch.drop(gone)
+                self._runner.drop(gone)
                 self._forget(gone)
             if plan.update is not None:  # a multi-rank update_weights: every rank, here
                 self._apply_update(plan.update)
             if plan.sleep is not None:  # a multi-rank sleep / wake_up: every rank, here
                 self._apply_sleep(plan.sleep)
             if plan.shutdown:  # the pool goes now, not whenever a garbage collection finds the engine
-                self._batch.clear()
-                self._batch.store.release()
+                self._runner.clear()
+                self._runner.store.release()
                 return
-            if plan.hold:  # paused: the rows keep their cache, nothing runs
+            if plan.hold or plan.scheduled is None:  # paused (the rows keep their cache), or nothing to run
                 return
-            if plan.admissions:
-                requests = [self._request_of(a) for a in plan.admissions]
-                for request in requests:
-                    if self._prompt_logprobs(request):
-                        self._batch.enqueue(request)
-            if self._batch.rows:
-                self._decode()
-            if self._batch.prefilling:
-                self._prefill()
+            scheduled = plan.scheduled
+            for admission in plan.admissions:
+                self._prompt_logprobs(self._request_of(admission), scheduled)
+            result = self._runner.execute(scheduled)
+            for request, error in result.errors:
+                self._fail(request, error)
+            for choices, selection, routed in result.samples:
+                self._record(choices, selection, routed)
+            if self.rank == 0:
+                self._scheduler.update(scheduled, result.computed)
 
     def _forget(self, gone: set) -> None:
         serials = {serial for serial, _ in gone}
@@ -526,81 +532,32 @@ class Engine(EngineControl):
             for serial in serials:
                 request = self._live.get(serial)
                 if request is not None and (request.closed or self.rank != 0):
-                    if not any(self._batch.holds(c.key) for c in request.choices):
+                    held = self._runner.holds if self.rank != 0 else self._scheduler.holds
+                    if not any(held(c.key) for c in request.choices):
                         del self._live[serial]
 
     def _request_of(self, admission: Admission) -> Request:
         if self.rank == 0:
-            request = self._live[admission.serial]
-        else:
-            request = Request(
-                admission.serial, admission.request_id, admission.prompt, admission.params, admission.noise_seed
-            )
-            self._live[request.serial] = request
-        request.open_choices(self.eos_token_ids, self.tokenizer if self.rank == 0 else None)
+            return self._live[admission.serial]
+        a = admission
+        request = Request(a.serial, a.request_id, a.prompt, a.params, a.noise_seed)
+        request.open_choices(self.eos_token_ids, None)
+        self._live[request.serial] = request
         return request
 
-    def _prompt_logprobs(self, request: Request) -> bool:
-        """``params.prompt_logprobs``: score()'s forward over the prompt, once, on every rank; False if it failed."""
+    def _prompt_logprobs(self, request: Request, scheduled) -> None:
+        """``params.prompt_logprobs``: score()'s forward over the prompt, once, on every rank; a
+        request whose forward fails fails here and its chunk is not run."""
         request.prompt_logprobs = None
         if request.params.prompt_logprobs is None:
-            return True
+            return
         try:
             found = prompt_top_logprobs(self.model, request.prompt, request.params.prompt_logprobs)
         except Exception as error:
             self._fail(request, error)
-            return False
-        request.prompt_logprobs = prompt_logprob_entries(request.prompt, *found) if self.rank == 0 else None
-        return True
-
-    def _scores(self, logits):
-        return self.ops.cast(gather_vocab_logits(self.ops, self.model, logits), "float32")
-
-    def _vocab(self, scores) -> int:
-        return self.vocab_size or int(scores.shape[-1])
-
-    def _decode(self) -> None:
-        rows = list(self._batch.rows)
-        try:
-            logits = self._batch.decode()  # (may preempt the youngest rows first)
-            rows = list(self._batch.rows)
-            if logits is None:
-                return
-            scores = self._scores(logits)
-        except Exception as error:  # the model failed: the rows in it fail, the engine goes on
-            self._batch.drop([c.key for c in rows])
-            for request in {id(c.request): c.request for c in rows}.values():
-                self._fail(request, error)
+            scheduled.prefills[:] = [s for s in scheduled.prefills if s.key[0] != request.serial]
             return
-        selection = select(self.ops, scores, rows, self._vocab(scores), logprobs=self.rank == 0)
-        self._batch.pending = selection.tokens.copy()
-        self._record(rows, selection, self._batch.routed)
-        self._batch.cache_decoded()
-
-    def _prefill(self) -> None:
-        """This step's prefill chunks; the requests whose prompt is done choose their first tokens
-        and join the rows (a preempted choice rejoins with the token it had)."""
-        for done in self._batch.prefill_step():
-            entry = done.entry
-            if done.error is not None:
-                self._fail(entry.request, done.error)
-                continue
-            if entry.resume:
-                self._batch.join(entry, None)
-                continue
-            choices = entry.choices
-            sources = np.zeros(len(choices), dtype=np.int64)
-            try:
-                scores = self._scores(done.logits)
-            except Exception as error:
-                self._batch.drop([c.key for c in choices])
-                self._fail(entry.request, error)
-                continue
-            if len(choices) > 1:
-                scores = self.ops.take(scores, sources, 0)
-            selection = select(self.ops, scores, choices, self._vocab(scores), logprobs=self.rank == 0)
-            self._batch.join(entry, selection.tokens)
-            self._record(choices, selection, None if done.routed is None else done.routed[sources])
+        request.prompt_logprobs = prompt_logprob_entries(request.prompt, *found) if self.rank == 0 else None
 
     # ---- results (rank 0 streams them; every rank keeps the token counts) ----------------
     def _record(self, choices, selection, routed) -> None:

@@ -1,14 +1,15 @@
-"""A step plan: what changes in the batch before a step, decided by rank 0 and run by every rank.
+"""A step plan: what rank 0 decided for a step, run by every rank.
 
 A multi-rank model (tensor parallel: every rank holds a slice of every layer) needs every rank to
-run the same forwards on the same rows. Rank 0 owns the request queue, so each step it writes
-down what only it knows: the requests admitted (prompt, settings, the noise seed of a
-``seed=None`` request), the rows it ended on its own (a stop string found in the text, a cancel,
-an abort), whether the engine is paused (``hold``: no forward this step, the rows keep their
-cache), a weight update to apply (``update``: its version and tensor names, which every rank
-checks against its own ``update_weights`` call; control.py) and whether to shut down.
-Everything else (tokens, EOS, ``max_tokens``) follows from the gathered logits, which are the
-same on every rank. The plan travels as UTF-8 JSON through
+run the same forwards on the same rows. Rank 0 owns the request queue and the scheduler, so each
+step it writes down what only it knows: the requests new to the runners (prompt, settings, the
+noise seed of a ``seed=None`` request), the choices it ended on its own (a stop string found in
+the text, a cancel, an abort), the scheduler's output (``scheduled``: the step's decodes and
+prefill chunks with the blocks they write, and what the runner applies before them), whether the
+engine is paused (``hold``: no forward this step, the rows keep their cache), a weight update to
+apply (``update``: its version and tensor names, which every rank checks against its own
+``update_weights`` call; control.py) and whether to shut down. The tokens follow from the
+gathered logits, which are the same on every rank. The plan travels as UTF-8 JSON through
 ``broadcast_text`` (int32 broadcasts, which every backend has); an empty plan is one 4-byte
 broadcast, so a decode step adds one small collective. While rank 0 has nothing to do it sends
 an empty plan every heartbeat, so the others never wait in one collective past the timeout.
@@ -22,6 +23,7 @@ from typing import List, Optional, Tuple
 
 from ..parallel.launcher import broadcast_text
 from .params import SamplingParams
+from .scheduler import SchedulerOutput
 
 
 @dataclass
@@ -41,10 +43,13 @@ class StepPlan:
     hold: bool = False  # paused: drop what ``drops`` names, then run nothing
     update: Optional[dict] = None  # {"version": key, "names": [...] or None}: apply update_weights here
     sleep: Optional[bool] = None  # True: release the cache pool here (sleep), False: allocate it (wake_up)
+    scheduled: Optional[SchedulerOutput] = None  # the step's work (none: a step that only drops or controls)
 
     @property
     def empty(self) -> bool:
-        return not (self.admissions or self.drops or self.shutdown or self.hold or self.update) and self.sleep is None
+        work = self.scheduled is not None and not self.scheduled.empty
+        busy = self.admissions or self.drops or self.shutdown or self.hold or self.update or work
+        return not busy and self.sleep is None
 
     def encode(self) -> str:
         if self.empty:
@@ -59,6 +64,7 @@ class StepPlan:
                 "hold": self.hold,
                 "update": self.update,
                 "sleep": self.sleep,
+                "scheduled": None if self.scheduled is None else self.scheduled.encode(),
             }
         )
 
@@ -74,8 +80,9 @@ class StepPlan:
             for serial, request_id, prompt, params, seed in data["admit"]
         ]
         drops = [tuple(d) for d in data["drop"]]
+        scheduled = None if data["scheduled"] is None else SchedulerOutput.decode(data["scheduled"])
         return cls(
-            admissions, drops, bool(data["shutdown"]), bool(data.get("hold")), data.get("update"), data.get("sleep")
+            admissions, drops, bool(data["shutdown"]), bool(data["hold"]), data["update"], data["sleep"], scheduled
         )
 
 

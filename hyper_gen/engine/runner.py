@@ -1,0 +1,523 @@
+"""The model runner: executes a ``SchedulerOutput`` on the paged pool and draws the next tokens.
+
+Every rank runs it on the output rank 0's scheduler made, so it keeps only what the forwards need:
+each sequence's block table (grown by the blocks the output names), the live Gated DeltaNet states
+(decoding rows dense in row order, so a decode step passes them whole; a prefilling sequence its
+own), and the choices that draw from each sequence's logits. Before the forward it applies what the
+last step left (state snapshots saved, partial blocks copied, prompts forked into their choices,
+sequences freed), then runs the decodes and the prefill chunks and draws tokens with each
+request's own settings (``selector.py``).
+
+The forwards go through ``PagedCache`` (``kv_store.py``): the step's K/V are written into the pool
+and each row's K/V gathered back for attention. Decode rows of very different lengths run in
+separate forwards (``length_groups``), since one forward gathers every row padded to the longest.
+Fresh prompt chunks share one left-padded forward (the linear layers' ``prompt_mask`` keeps
+padding out of their state, as generate does); chunks after a past share one forward per length.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+
+from ..drivers import ForwardSignature, logits_of, past_of
+from ..kv_cache import KVCacheManager, budget
+from ..masks import min_finite, prefill_mask
+from ..outputs import RoutedExperts
+from ..parallel.model_group import gather_vocab_logits
+from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, read_past, write_past
+from .scheduler import Scheduled, Scheduler, SchedulerOutput
+from .selector import select
+
+
+class _Prefill:
+    """A sequence computing its tokens in chunks: its choices and its live recurrent states."""
+
+    def __init__(self, key, request, choices: list, resume: bool):
+        self.key, self.request, self.choices, self.resume = key, request, choices, resume
+        self.conv: Dict[int, Any] = {}  # (1, ...) live states of a recurrent model
+        self.recurrent: Dict[int, Any] = {}
+
+    def tokens(self) -> List[int]:
+        drawn = self.choices[0].token_ids if self.key[1] >= 0 else []
+        return list(self.request.prompt) + list(drawn)
+
+
+class StepResult:
+    """What a step drew: ``samples`` (choices, ``Selection``, routing or None) per forward that drew,
+    ``errors`` (request, error) of the requests whose forward or draw failed, and ``computed``: the
+    sequences whose forward succeeded (the scheduler caches their blocks)."""
+
+    def __init__(self):
+        self.samples: List[tuple] = []
+        self.errors: List[tuple] = []
+        self.computed: set = set()
+
+
+class ModelRunner:
+    """The pool, the tables and live states, the forwards and the draws; see the module docstring.
+    ``request_of(serial)``: the engine's ``Request`` of that serial (every rank keeps its own)."""
+
+    def __init__(self, model, ops, dtype: str, layout: CacheLayout, store: KVStore, vocab_size, logprobs: bool):
+        self.model, self.ops, self.dtype = model, ops, dtype
+        self.signature = ForwardSignature(model)
+        self.layout, self.store = layout, store
+        self.vocab_size = vocab_size
+        self.logprobs = logprobs  # rank 0 streams logprobs; the other ranks only need the tokens
+        self.request_of: Callable = lambda serial: None
+        self.tables: Dict[Any, List[int]] = {}
+        self.prefills: Dict[Any, _Prefill] = {}
+        self.rows: List[Any] = []  # decoding choices, in the order of the live states' rows
+        self.conv: Dict[int, Any] = {}  # (B, ...) live states, row order
+        self.recurrent: Dict[int, Any] = {}
+        self.routed: Optional[np.ndarray] = None  # (B, moe_layers, top_k) of the last decode, when asked
+        self.split_padding = SPLIT_PADDING
+        self.boundary_states: Dict[Any, tuple] = {}  # key -> (conv, recurrent, row) at the last step's boundary
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.prefills)
+
+    def holds(self, key) -> bool:
+        return any(row.key == key for row in self.rows) or any(
+            c.key == key for p in self.prefills.values() for c in p.choices
+        )
+
+    def check_routes(self) -> RoutedExperts:
+        """The recorder of the model's router choices (ValueError: the model reports no MoE routing)."""
+        return RoutedExperts(self.ops, self.model)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        result = StepResult()
+        self._before(out)
+        if out.decodes:
+            self._decode(out.decodes, result)
+        if out.prefills:
+            self._prefill(out.prefills, result)
+        return result
+
+    def _before(self, out: SchedulerOutput) -> None:
+        """What the last step left: snapshots, block copies, forks, frees; then this step's tables."""
+        for key, slot in out.saves:
+            self.store.save_snapshot(slot, *self.boundary_states[key])
+        self.boundary_states = {}
+        for copy in out.copies:
+            self.store.copy_block(*copy)
+        for parent, children in out.forks:
+            self._fork(parent, children)
+        for key in out.freed:
+            self.free(key)
+        for item in out.decodes + out.prefills:
+            if item.key in self.tables:
+                self.tables[item.key].extend(item.blocks)
+                continue
+            self.tables[item.key] = list(item.blocks)
+            if item.key not in self.prefills:
+                request = self.request_of(item.key[0])
+                choices = request.choices if item.key[1] < 0 else [request.choices[item.key[1]]]
+                self.prefills[item.key] = _Prefill(item.key, request, list(choices), item.resume)
+            if item.snapshot is not None:
+                entry = self.prefills[item.key]
+                entry.conv, entry.recurrent = self.store.load_snapshot(item.snapshot)
+
+    def _fork(self, parent, children) -> None:
+        """A prompt's choices join the rows with copies of its state (their tables from the fork)."""
+        entry = self.prefills.pop(parent, None)
+        self.tables.pop(parent, None)
+        if entry is None:  # every choice was dropped meanwhile
+            return
+        joined = []
+        for key, table in children:
+            choice = next((c for c in entry.choices if c.key == tuple(key)), None)
+            if choice is not None:
+                self.tables[choice.key] = list(table)
+                joined.append(choice)
+        self._join(entry, joined)
+
+    def _join(self, entry: _Prefill, choices: list) -> None:
+        if not choices:
+            return
+        repeat = np.zeros(len(choices), dtype=np.int64)
+        for store, states in ((self.conv, entry.conv), (self.recurrent, entry.recurrent)):
+            for layer, state in states.items():
+                rows = self.ops.take(state, repeat, 0)
+                store[layer] = rows if not self.rows else self.ops.concat([store[layer], rows], 0)
+        self.rows.extend(choices)
+
+    # ---- forwards ------------------------------------------------------------------------------
+    def _forward(self, ids, positions, past_valid, new_valid, write, read, conv, recurrent, routes: bool):
+        """One forward over (B, S) new tokens after (B, W) past columns: ((B, V) last logits, conv,
+        recurrent, (B, layers, top_k) routing of the last positions or None)."""
+        ops, (b, s), width = self.ops, ids.shape, past_valid.shape[1]
+        causal = prefill_mask(new_valid, s, self.dtype)  # (B, 1, S, S) over the step's own columns
+        past = np.where(past_valid, 0.0, min_finite(self.dtype)).astype(causal.dtype)
+        mask = np.concatenate([np.broadcast_to(past[:, None, None, :], (b, 1, s, width)), causal], -1)
+        kwargs = dict(position_ids=ops.asarray(positions, "int64"), attention_mask=ops.asarray(mask, self.dtype))
+        tokens = ops.asarray(ids, "int64")
+        if self.layout.cache_object:
+            cache = PagedCache(self.store, write, read, width, conv, recurrent)
+            if width == 0 and not new_valid.all():
+                cache.prompt_mask = ops.asarray(new_valid.astype(np.int64), self.dtype)
+            kwargs.update(past_key_values=cache, logits_to_keep=1)
+        else:
+            kwargs.update(past_key_values=read_past(self.store, read[:, :width]) if width else None)
+        call = functools.partial(self._call, tokens, **kwargs)
+        routed = None
+        if routes:
+            recorder = self.check_routes()
+            output, recorded = recorder.forward(call)
+            routed = recorder.positions(recorded, new_valid)[:, -1]
+        else:
+            output = call()
+        if self.layout.cache_object:
+            conv, recurrent = cache.conv_states, cache.recurrent_states
+        else:
+            past_kv = past_of(output)
+            if past_kv is None:
+                raise TypeError(f"{type(self.model).__name__} returned no past_key_values")
+            write_past(self.store, past_kv, write, width)
+        return logits_of(output, ops)[:, -1], conv, recurrent, routed
+
+    def _call(self, ids, **kwargs):
+        return self.model(ids, **self.signature.keep(kwargs))
+
+    def _slots(self, key, start: int, end: int) -> np.ndarray:
+        return self.store.slots(self.tables[key], start, end)
+
+    def _scores(self, logits):
+        return self.ops.cast(gather_vocab_logits(self.ops, self.model, logits), "float32")
+
+    def _select(self, scores, choices):
+        vocab = self.vocab_size or int(scores.shape[-1])
+        return select(self.ops, scores, choices, vocab, logprobs=self.logprobs)
+
+    # ---- decode --------------------------------------------------------------------------------
+    def _decode(self, items: List[Scheduled], result: StepResult) -> None:
+        """One token for every decoding row the step names (all of them, in the usual case)."""
+        index = {row.key: i for i, row in enumerate(self.rows)}
+        start = {index[item.key]: item.start for item in items}
+        order = np.asarray(sorted(start), dtype=np.int64)  # the rows' own order: their states pass whole
+        lengths = np.asarray([start[i] for i in order], dtype=np.int64)
+        rows = [self.rows[i] for i in order]
+        try:
+            logits = self.decode(order, lengths)
+            scores = self._scores(logits)
+        except Exception as error:  # the model failed: the rows in it fail, the engine goes on
+            self._drop_rows({row.key for row in rows})
+            result.errors += [(request, error) for request in {id(r.request): r.request for r in rows}.values()]
+            return
+        selection = self._select(scores, rows)  # (a bug here is the engine's: it stops, loudly)
+        result.samples.append((rows, selection, self.routed))
+        result.computed.update(row.key for row in rows)
+        if self.layout.hybrid:
+            place = {self.rows[i].key: i for i in order}
+            for item in items:
+                if item.boundary:  # (copies of the dicts: a later drop replaces their tensors)
+                    self.boundary_states[item.key] = (dict(self.conv), dict(self.recurrent), place[item.key])
+
+    def decode(self, order: np.ndarray, lengths: np.ndarray):
+        """(B, V) logits of the rows at ``order`` (positions ``lengths``); rows of very different
+        lengths decode in separate forwards (``length_groups``)."""
+        routes = any(getattr(self.rows[i].request.params, "return_routed_experts", False) for i in order)
+        groups = length_groups(lengths, self.split_padding)
+        if len(groups) == 1:
+            logits, conv, recurrent, self.routed = self._decode_rows(order, lengths, routes)
+            self._put_states(order, conv, recurrent)
+            return logits
+        outs = [self._decode_rows(order[g], lengths[g], routes) for g in groups]
+        back = np.argsort(np.concatenate(groups), kind="stable")  # the rows' places in the groups' order
+        ops = self.ops
+        logits = ops.take(ops.concat([out[0] for out in outs], 0), back, 0)
+        states = [{i: ops.take(ops.concat([o[k][i] for o in outs], 0), back, 0) for i in outs[0][k]} for k in (1, 2)]
+        self._put_states(order, *states)
+        routed = [out[3] for out in outs]
+        self.routed = None if routed[0] is None else np.concatenate(routed)[back]
+        return logits
+
+    def _whole(self, order: np.ndarray) -> bool:
+        return len(order) == len(self.rows) and bool((order == np.arange(len(order))).all())
+
+    def _put_states(self, order, conv, recurrent) -> None:
+        if self._whole(order):
+            self.conv, self.recurrent = conv, recurrent
+            return
+        # rows that did not decode keep their state: pick each row from the old states or the new
+        picks = np.arange(len(self.rows), dtype=np.int64)
+        picks[order] = len(self.rows) + np.arange(len(order))
+        for store, states in ((self.conv, conv), (self.recurrent, recurrent)):
+            for layer, state in states.items():
+                store[layer] = self.ops.take(self.ops.concat([store[layer], state], 0), picks, 0)
+
+    def _decode_rows(self, order: np.ndarray, lengths: np.ndarray, routes: bool):
+        """One decode forward over the rows at ``order`` (positions ``lengths``)."""
+        b, width = len(order), int(lengths.max())
+        read = np.full((b, width + 1), NULL_SLOT, dtype=np.int64)
+        past_valid = np.zeros((b, width), dtype=bool)
+        pending = np.zeros((b, 1), dtype=np.int64)
+        for i, row in enumerate(order):
+            n, choice = int(lengths[i]), self.rows[row]
+            slots = self._slots(choice.key, 0, n + 1)
+            read[i, :n], read[i, width] = slots[:n], slots[n]
+            past_valid[i, :n] = True
+            pending[i, 0] = choice.token_ids[-1]
+        pick = (lambda t: t) if self._whole(order) else (lambda t: self.ops.take(t, order, 0))
+        return self._forward(
+            pending,
+            lengths[:, None],
+            past_valid,
+            np.ones((b, 1), dtype=bool),
+            read[:, width:],
+            read,
+            {i: pick(t) for i, t in self.conv.items()},
+            {i: pick(t) for i, t in self.recurrent.items()},
+            routes,
+        )
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def _prefill(self, items: List[Scheduled], result: StepResult) -> None:
+        """This step's chunks, batched (``_batches``); a group that raises is retried one by one, so
+        only the request that fails does."""
+        done = []
+        for chunks in _batches(items):
+            try:
+                done += self._prefill_chunks(chunks, result)
+                continue
+            except Exception as error:
+                if len(chunks) == 1:
+                    self._fail_prefill(chunks[0], error, result)
+                    continue
+            for chunk in chunks:
+                try:
+                    done += self._prefill_chunks([chunk], result)
+                except Exception as error:
+                    self._fail_prefill(chunk, error, result)
+        for entry, logits, routed in done:
+            self._draw_first(entry, logits, routed, result)
+
+    def _fail_prefill(self, item: Scheduled, error, result: StepResult) -> None:
+        entry = self.prefills.get(item.key)
+        if entry is not None:
+            result.errors.append((entry.request, error))
+            self.free(item.key)
+
+    def _wants_routes(self, entry: _Prefill) -> bool:
+        return not entry.resume and bool(getattr(entry.request.params, "return_routed_experts", False))
+
+    def _prefill_chunks(self, chunks: List[Scheduled], result: StepResult) -> list:
+        """One forward over chunks: fresh ones (start 0) left-padded to the longest; chunks after a
+        past all of one length (``_batches``), each row reading its own past. Returns (entry, (1, V)
+        logits, routing) of the prompts it completed."""
+        entries = [self.prefills[item.key] for item in chunks]
+        b = len(chunks)
+        width = max(item.count for item in chunks)
+        past = max(item.start for item in chunks)
+        ids = np.zeros((b, width), dtype=np.int64)
+        valid = np.zeros((b, width), dtype=bool)
+        positions = np.zeros((b, width), dtype=np.int64)
+        past_valid = np.zeros((b, past), dtype=bool)
+        read = np.full((b, past + width), NULL_SLOT, dtype=np.int64)
+        for j, (item, entry) in enumerate(zip(chunks, entries)):
+            start, n = item.start, item.count
+            end = start + n
+            slots = self._slots(item.key, 0, end)
+            ids[j, width - n :], valid[j, width - n :] = entry.tokens()[start:end], True
+            positions[j, width - n :] = np.arange(start, end)
+            past_valid[j, :start], read[j, :start], read[j, past + width - n :] = True, slots[:start], slots[start:]
+        states = {}
+        if entries[0].conv or entries[0].recurrent:  # rows after a past: every one has its state
+            for name in ("conv", "recurrent"):
+                layers = getattr(entries[0], name)
+                states[name] = {i: self.ops.concat([getattr(e, name)[i] for e in entries], 0) for i in layers}
+        routes = any(item.sample and self._wants_routes(e) for item, e in zip(chunks, entries))
+        logits, conv, recurrent, routed = self._forward(
+            ids,
+            positions,
+            past_valid,
+            valid,
+            read[:, past:],
+            read,
+            states.get("conv", {}),
+            states.get("recurrent", {}),
+            routes,
+        )
+        done = []
+        for j, (item, entry) in enumerate(zip(chunks, entries)):
+            row = np.asarray([j])
+            entry.conv = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in conv.items()}
+            entry.recurrent = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in recurrent.items()}
+            result.computed.add(item.key)
+            if item.boundary and self.layout.hybrid:
+                self.boundary_states[item.key] = (entry.conv, entry.recurrent, 0)
+            if item.sample:
+                done.append((j, entry))
+            elif entry.resume and item.start + item.count == len(entry.tokens()) - 1:
+                self._join(self.prefills.pop(item.key), entry.choices)  # decodes its pending token next
+        return [
+            (
+                entry,
+                logits if b == 1 else self.ops.take(logits, np.asarray([j]), 0),
+                None if routed is None else routed[j],
+            )
+            for j, entry in done
+        ]
+
+    def _draw_first(self, entry: _Prefill, logits, routed, result: StepResult) -> None:
+        """A prompt done: its choices draw their first tokens (n choices from the same logits); one
+        choice joins the rows now, n choices when the next step forks the prompt's blocks."""
+        choices = entry.choices
+        try:
+            scores = self._scores(logits)
+        except Exception as error:
+            result.errors.append((entry.request, error))
+            result.computed.discard(entry.key)
+            self.free(entry.key)
+            return
+        if len(choices) > 1:
+            scores = self.ops.take(scores, np.zeros(len(choices), dtype=np.int64), 0)
+        selection = self._select(scores, choices)
+        route = None if routed is None else np.repeat(routed[None], len(choices), axis=0)
+        result.samples.append((choices, selection, route))
+        if entry.key[1] >= 0:
+            self._join(self.prefills.pop(entry.key), choices)
+
+    # ---- leaving -------------------------------------------------------------------------------
+    def drop(self, keys) -> None:
+        """End these choices (a prompt's sequence goes when none of its choices is left)."""
+        keys = set(keys)
+        for key, entry in list(self.prefills.items()):
+            entry.choices = [c for c in entry.choices if c.key not in keys]
+            if not entry.choices:
+                self.free(key)
+        self._drop_rows(keys)
+
+    def free(self, key) -> None:
+        """Forget a sequence (dropped, preempted, failed): its table and states."""
+        self.tables.pop(key, None)
+        self.prefills.pop(key, None)
+        self._drop_rows({key})
+
+    def _drop_rows(self, keys: set) -> None:
+        keep = [i for i, row in enumerate(self.rows) if row.key not in keys]
+        if len(keep) == len(self.rows):
+            return
+        for row in self.rows:
+            if row.key in keys:
+                self.tables.pop(row.key, None)
+        keep_array = np.asarray(keep, dtype=np.int64)
+        self.rows = [self.rows[i] for i in keep]
+        for store in (self.conv, self.recurrent):
+            for layer in list(store):
+                if keep:
+                    store[layer] = self.ops.take(store[layer], keep_array, 0)
+                else:
+                    del store[layer]
+
+    def clear(self) -> None:
+        self.boundary_states = {}
+        self.tables.clear()
+        self.prefills.clear()
+        self._drop_rows({row.key for row in self.rows})
+
+    def sleep(self) -> None:
+        """Release the pool's tensors (nothing runs)."""
+        self.clear()
+        self.store.release()
+        gc.collect()
+        self.ops.release_memory()
+
+    def wake_up(self) -> None:
+        self.store.allocate()
+
+
+# a decode splits its rows in two forwards where that saves gathering at least this many padding
+# positions, and more than the rows' own positions (docs/kv_cache.md)
+SPLIT_PADDING = 2048
+
+
+def length_groups(lengths: np.ndarray, padding: int = SPLIT_PADDING, most: int = 4) -> List[np.ndarray]:
+    """The rows (indices) of a decode step in at most ``most`` forwards, by length: the group of the
+    longest rows is split off while that saves more padding than ``SPLIT_PADDING`` and than the
+    group's own positions (``padding``). One group (all rows, in order) in the usual case."""
+    order = np.argsort(lengths, kind="stable")
+    groups = [order]
+    while len(groups) < most:
+        best = None
+        for g, rows in enumerate(groups):
+            sizes = lengths[rows]
+            if len(rows) < 2:
+                continue
+            cut = np.arange(1, len(rows))
+            saving = cut * (sizes[-1] - sizes[cut - 1])
+            k = int(np.argmax(saving))
+            if saving[k] > max(padding, int(sizes.sum())) and (best is None or saving[k] > best[0]):
+                best = (int(saving[k]), g, int(cut[k]))
+        if best is None:
+            break
+        _, g, k = best
+        groups[g : g + 1] = [groups[g][:k], groups[g][k:]]
+    if len(groups) == 1:
+        return [np.arange(len(lengths))]
+    return groups
+
+
+def _batches(items: List[Scheduled]) -> list:
+    """The step's chunks in forwards: the fresh ones (no past, no state: left padding is masked out
+    of the linear layers' state by ``prompt_mask``) together; the others together by chunk length
+    (no padding: a padded position would decay a recurrent state it follows)."""
+    fresh = [item for item in items if item.start == 0]
+    groups: Dict[int, list] = {}
+    for item in items:
+        if item.start > 0:
+            groups.setdefault(item.count, []).append(item)
+    return ([fresh] if fresh else []) + list(groups.values())
+
+
+def build(
+    model,
+    ops,
+    dtype: str,
+    *,
+    block_size: int,
+    enable_prefix_caching: bool,
+    max_num_batched_tokens: int,
+    cache_memory_bytes: Optional[int],
+    state_snapshot_blocks: int,
+    max_batch_size: int,
+    max_model_len: Optional[int],
+    admit_batch: int,
+    vocab_size,
+    logprobs: bool,
+):
+    """(scheduler, runner, cache_memory_bytes): probe what the model's cache holds, size the pool from
+    the budget (default: what ``max_batch_size`` rows of ``max_model_len`` positions could use,
+    within a share of the host's available memory; ``kv_cache.budget``), and allocate it."""
+    signature = ForwardSignature(model)
+    layout = CacheLayout.probe(model, ops, lambda ids, **kwargs: model(ids, **signature.keep(kwargs)))
+    per_block = max(layout.bytes_per_token() * block_size, 1)
+    per_snapshot = layout.bytes_per_state() if layout.hybrid and enable_prefix_caching else 0
+    if cache_memory_bytes is None:
+        positions = max_model_len if max_model_len else 1 << 20
+        needed = max_batch_size * -(-positions // block_size) * per_block
+        if per_snapshot:
+            needed = int(needed / (1 - budget.SNAPSHOT_SHARE)) + 1
+        cache_memory_bytes = budget.default_cache_bytes(needed, budget.available_host_bytes())
+    num_blocks, slots = budget.split_budget(cache_memory_bytes, per_block, per_snapshot, state_snapshot_blocks)
+    kv = KVCacheManager(
+        num_blocks,
+        block_size,
+        enable_prefix_caching,
+        state_snapshot_blocks,
+        hybrid=layout.hybrid,
+        num_snapshot_slots=slots,
+    )
+    store = KVStore(ops, layout, num_blocks, block_size, slots)
+    store.allocate()
+    scheduler = Scheduler(kv, max_batch_size, max_num_batched_tokens, admit_batch)
+    runner = ModelRunner(model, ops, dtype, layout, store, vocab_size, logprobs)
+    return scheduler, runner, cache_memory_bytes
+
+
+__all__ = ["ModelRunner", "StepResult", "build", "length_groups"]
