@@ -40,6 +40,7 @@ from ..drivers import ForwardSignature, logits_of, past_of
 from ..kv_cache import KVCacheManager, budget
 from ..masks import min_finite, prefill_mask
 from ..outputs import RoutedExperts
+from .config import EngineConfig
 from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, read_past, write_past
 
 
@@ -510,22 +511,14 @@ def _batches(chunks) -> list:
     return ([fresh] if fresh else []) + list(groups.values())
 
 
-def build_paged_batch(
-    model,
-    ops,
-    dtype: str,
-    *,
-    block_size: int,
-    enable_prefix_caching: bool,
-    max_num_batched_tokens: int,
-    cache_memory_bytes: Optional[int],
-    state_snapshot_blocks: int,
-    max_batch_size: int,
-    max_model_len: Optional[int],
-) -> PagedBatch:
+def build_paged_batch(model, ops, dtype: str, config: EngineConfig, max_model_len: Optional[int]) -> PagedBatch:
     """Probe what the model's cache holds, size the pool from the budget (default: what
     ``max_batch_size`` rows of ``max_model_len`` positions could use, within a share of the host's
-    available memory; ``kv_cache.budget``), and allocate it."""
+    available memory; ``kv_cache.budget``), and allocate it. ``config``: the engine's settings;
+    ``max_model_len``: resolved (the model's context where ``config.max_model_len`` is None)."""
+    block_size, enable_prefix_caching = config.block_size, config.enable_prefix_caching
+    max_num_batched_tokens, cache_memory_bytes = config.max_num_batched_tokens, config.kv_cache_memory_bytes
+    state_snapshot_blocks, max_batch_size = config.state_snapshot_blocks, config.max_num_seqs
     signature = ForwardSignature(model)
     layout = CacheLayout.probe(model, ops, lambda ids, **kwargs: model(ids, **signature.keep(kwargs)))
     per_block = max(layout.bytes_per_token() * block_size, 1)
