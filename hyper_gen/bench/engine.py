@@ -86,18 +86,18 @@ def _greedy(max_tokens, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
-def _engine(model, args, **kw):
-    from hyper_gen.engine import Engine
+def _engine(model, args, **changes):
+    """An engine with the flags' settings and ``changes`` (EngineConfig's field names)."""
+    from hyper_gen.engine import Engine, EngineConfig
 
-    settings = dict(
-        max_batch_size=64,
+    config = EngineConfig(
+        max_num_seqs=64,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         state_snapshot_blocks=args.state_snapshot_blocks,
-        cache_memory_bytes=args.cache_memory_bytes,
+        kv_cache_memory_bytes=args.cache_memory_bytes,
     )
-    settings.update(kw)
-    return Engine(model, **settings)
+    return Engine(model, config=config.replace(**changes))
 
 
 def _stamped(stream, stamps: list) -> None:
@@ -228,7 +228,7 @@ def grpo(model, args, vocab, rng, hf_s=None):
 
     prompts = _grpo_prompts(vocab)
     tokens = GRPO_PROMPTS * GRPO_N * GRPO_NEW
-    with _engine(model, args, max_batch_size=GRPO_PROMPTS * GRPO_N) as engine:
+    with _engine(model, args, max_num_seqs=GRPO_PROMPTS * GRPO_N) as engine:
         engine.submit(prompts[0][:8], _greedy(2)).result()
         sampled = [SamplingParams(max_tokens=GRPO_NEW, n=GRPO_N, temperature=1.0, seed=i) for i in range(len(prompts))]
         wall, _, _, _ = _timed_requests(engine, list(zip(prompts, sampled)))

@@ -11,7 +11,7 @@ import argparse
 import importlib.util
 import sys
 
-from hyper_gen.engine import Engine
+from hyper_gen.engine import Engine, EngineConfig
 from hyper_gen.jobs.errors import UsageError
 from hyper_gen.parallel.launcher import launched_multi_rank
 
@@ -27,7 +27,11 @@ def add_serve_flags(parser) -> None:
         "--port", type=int, default=8000, help="port to listen on; 0 = any free one (default: %(default)s)"
     )
     parser.add_argument(
-        "--max-batch-size", type=int, default=32, help="requests decoded together at most (default: %(default)s)"
+        "--max-batch-size",
+        "--max-num-seqs",  # vLLM's name
+        type=int,
+        default=32,
+        help="requests decoded together at most (default: %(default)s)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -50,6 +54,7 @@ def add_serve_flags(parser) -> None:
     )
     parser.add_argument(
         "--cache-memory-bytes",
+        "--kv-cache-memory-bytes",  # vLLM's name
         type=int,
         default=None,
         help="the KV cache pool's bytes (default: what --max-batch-size rows of --max-model-len could use, "
@@ -102,16 +107,15 @@ def run_serve(args) -> int:
         from hyper_gen.server.metrics import kv_cache_line
 
         try:
-            engine = Engine(
-                model,
-                tokenizer,
-                max_batch_size=args.max_batch_size,
+            config = EngineConfig(
+                max_num_seqs=args.max_batch_size,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
                 block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                cache_memory_bytes=args.cache_memory_bytes,
+                kv_cache_memory_bytes=args.cache_memory_bytes,
             )
+            engine = Engine(model, tokenizer, config=config)
         except (TypeError, ValueError) as exc:
             raise UsageError(str(exc)) from None
         if rank(args.backend) != 0:

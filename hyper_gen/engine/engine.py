@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
-import warnings
 from collections import deque
 from typing import List, Optional
 
@@ -42,12 +41,12 @@ import numpy as np
 
 from ..config import model_defaults
 from ..inputs import ModelLimits
-from ..kv_cache.manager import DEFAULT_STATE_SNAPSHOT_BLOCKS
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, parallel_group
 from ..registry import backend_for, thread_initializer
 from ..scoring import prompt_top_logprobs
-from .checks import check_engine_model, check_prompt_ids, check_request, positive_int
+from .checks import check_engine_model, check_prompt_ids, check_request
+from .config import EngineConfig, resolve_engine_config
 from .control import Control, EngineControl, RecentIds
 from .outputs import ChoiceOutput, CompletionChunk, RequestOutput, prompt_logprob_entries
 from .params import SamplingParams
@@ -69,9 +68,12 @@ class Engine(EngineControl):
     calls it, since every rank holds its own slices; ``update_timeout_s`` bounds the wait for them).
 
     ``tokenizer``: any HF tokenizer, for chunk text and stop strings (None: ids only).
+    The settings below come as an ``EngineConfig`` (``config``, config.py: vLLM's names, so
+    ``max_batch_size`` is its ``max_num_seqs`` and ``cache_memory_bytes`` its ``kv_cache_memory_bytes``)
+    and/or as keywords of either name, which override ``config``'s fields; ``engine.config`` holds them.
     ``max_batch_size``: rows (choices) decoded together. ``max_model_len``: positions a request may
     use (prompt + max_tokens), default the model's ``max_position_embeddings``.
-    The cache is paged (``paged.py``): ``block_size`` positions a block, from one pool of
+    The cache is paged (``scheduler.py``, ``runner.py``): ``block_size`` positions a block, from one pool of
     ``cache_memory_bytes`` (default: what ``max_batch_size`` rows of ``max_model_len`` positions
     could use, within a quarter of the host's available memory; ``stats()`` and the server print
     it). ``enable_prefix_caching``: requests share the blocks of a common prompt prefix (a hybrid
@@ -84,45 +86,20 @@ class Engine(EngineControl):
     costs about two decode steps of a small model whatever its size).
     """
 
-    def __init__(
-        self,
-        model,
-        tokenizer=None,
-        *,
-        max_batch_size=32,
-        max_model_len=None,
-        admit_batch=1,
-        enable_prefix_caching=True,
-        block_size=16,
-        max_num_batched_tokens=2048,
-        cache_memory_bytes=None,
-        state_snapshot_blocks=DEFAULT_STATE_SNAPSHOT_BLOCKS,
-        max_prefill_tokens=None,
-    ):
+    def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None, **overrides):
         check_engine_model(model)
-        if max_prefill_tokens is not None:  # the ragged engine's name for the step's prompt budget
-            warnings.warn(
-                "Engine(max_prefill_tokens=...) is now max_num_batched_tokens (prompts are prefilled in chunks)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            max_num_batched_tokens = max_prefill_tokens
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        block_size = positive_int("block_size", block_size)
-        max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        state_snapshot_blocks = positive_int("state_snapshot_blocks", state_snapshot_blocks)
-        if cache_memory_bytes is not None:
-            cache_memory_bytes = positive_int("cache_memory_bytes", cache_memory_bytes)
+        # the settings: config (None: the defaults) with the keyword overrides (config.py: EngineConfig's
+        # fields, or max_batch_size / cache_memory_bytes / the deprecated max_prefill_tokens)
+        self.config = config = resolve_engine_config(config, overrides, stacklevel=3)
         self.model = model
         self.tokenizer = tokenizer
-        self.max_batch_size = positive_int("max_batch_size", max_batch_size)
-        self.admit_batch = min(positive_int("admit_batch", admit_batch), self.max_batch_size)
+        self.max_batch_size = config.max_num_seqs
+        self.admit_batch = min(config.admit_batch, self.max_batch_size)
         self.ops = backend_for(model)
         limits = ModelLimits.of(model)
         self.vocab_size = limits.vocab_size
+        max_model_len = config.max_model_len
         if max_model_len is not None:
-            max_model_len = positive_int("max_model_len", max_model_len)
             if limits.context is not None and max_model_len > limits.context:
                 raise ValueError(
                     f"max_model_len={max_model_len} is more than the model's context of {limits.context} positions "
@@ -142,12 +119,7 @@ class Engine(EngineControl):
                 model,
                 self.ops,
                 self.ops.param_dtype(model),
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                max_num_batched_tokens=max_num_batched_tokens,
-                cache_memory_bytes=cache_memory_bytes,
-                state_snapshot_blocks=state_snapshot_blocks,
-                max_batch_size=self.max_batch_size,
+                config,
                 max_model_len=self.max_model_len,
                 admit_batch=self.admit_batch,
                 vocab_size=self.vocab_size,

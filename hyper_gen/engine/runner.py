@@ -28,6 +28,7 @@ from ..kv_cache import KVCacheManager, budget
 from ..masks import min_finite, prefill_mask
 from ..outputs import RoutedExperts
 from ..parallel.model_group import gather_vocab_logits
+from .config import EngineConfig
 from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, read_past, write_past
 from .scheduler import Scheduled, Scheduler, SchedulerOutput
 from .selector import select
@@ -479,13 +480,8 @@ def build(
     model,
     ops,
     dtype: str,
+    config: EngineConfig,
     *,
-    block_size: int,
-    enable_prefix_caching: bool,
-    max_num_batched_tokens: int,
-    cache_memory_bytes: Optional[int],
-    state_snapshot_blocks: int,
-    max_batch_size: int,
     max_model_len: Optional[int],
     admit_batch: int,
     vocab_size,
@@ -493,7 +489,11 @@ def build(
 ):
     """(scheduler, runner, cache_memory_bytes): probe what the model's cache holds, size the pool from
     the budget (default: what ``max_batch_size`` rows of ``max_model_len`` positions could use,
-    within a share of the host's available memory; ``kv_cache.budget``), and allocate it."""
+    within a share of the host's available memory; ``kv_cache.budget``), and allocate it.
+    ``max_model_len``: resolved (the model's context where ``config.max_model_len`` is None)."""
+    block_size, enable_prefix_caching = config.block_size, config.enable_prefix_caching
+    cache_memory_bytes, state_snapshot_blocks = config.kv_cache_memory_bytes, config.state_snapshot_blocks
+    max_batch_size = config.max_num_seqs
     signature = ForwardSignature(model)
     layout = CacheLayout.probe(model, ops, lambda ids, **kwargs: model(ids, **signature.keep(kwargs)))
     per_block = max(layout.bytes_per_token() * block_size, 1)
@@ -515,7 +515,7 @@ def build(
     )
     store = KVStore(ops, layout, num_blocks, block_size, slots)
     store.allocate()
-    scheduler = Scheduler(kv, max_batch_size, max_num_batched_tokens, admit_batch)
+    scheduler = Scheduler(kv, max_batch_size, config.max_num_batched_tokens, admit_batch)
     runner = ModelRunner(model, ops, dtype, layout, store, vocab_size, logprobs)
     return scheduler, runner, cache_memory_bytes
 

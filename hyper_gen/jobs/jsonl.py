@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hyper_gen.config import MAX_NEW_TOKENS
-from hyper_gen.engine import Engine, EngineDeadError, SamplingParams
+from hyper_gen.engine import Engine, EngineConfig, EngineDeadError, SamplingParams
 from hyper_gen.engine.checks import check_engine_model
 from hyper_gen.models.checkpoint import Checkpoint
 
@@ -444,7 +444,8 @@ def _batch_completions(model, tokenizer, batch, config):
 def _inflight(model, tokenizer, config, rows, batch_size: int):
     """Every row through the engine at once: yields [(row, (text, tokens, reason) or the error)] as rows
     finish (all that finished since the last yield). Ranks other than 0 follow the engine's steps."""
-    engine = Engine(model, tokenizer, max_batch_size=batch_size, admit_batch=max(1, batch_size // 4))
+    settings = EngineConfig(max_num_seqs=batch_size, admit_batch=max(1, batch_size // 4))
+    engine = Engine(model, tokenizer, config=settings)
     if engine.rank != 0:
         engine.run_follower()
         return

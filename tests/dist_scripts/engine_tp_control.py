@@ -36,8 +36,8 @@ sleeps = []  # every sleep / wake_up plan this rank ran: (asleep asked, is_sleep
 def traced(plan):
     execute(plan)
     if plan.sleep is not None:
-        sleeps.append([plan.sleep, engine.is_sleeping, engine._batch.store.allocated])
-    rows = engine._batch.rows
+        sleeps.append([plan.sleep, engine.is_sleeping, engine._runner.store.allocated])
+    rows = engine._runner.rows
     steps.append([plan.hold, [[c.request.serial, c.index, len(c.token_ids)] for c in rows]])
     for c in rows:
         tokens[f"{c.request.serial}:{c.index}"] = list(c.token_ids)
@@ -74,16 +74,16 @@ def reference(prompt, count, **overrides):
     return out[: ended[0] + 1].tolist() if ended.size and "eos_token_id" not in overrides else out.tolist()
 
 
-decode, decodes = engine._batch.decode, [0]
+decode, decodes = engine._runner.decode, [0]
 
 
-def slow_decode():  # rank 0 only: the follower waits in the step's collectives
+def slow_decode(order, lengths):  # rank 0 only: the follower waits in the step's collectives
     decodes[0] += 1
     time.sleep(0.02)
-    return decode()
+    return decode(order, lengths)
 
 
-engine._batch.decode = slow_decode
+engine._runner.decode = slow_decode
 ids = [tokenizer(p)["input_ids"] for p, _ in make_prompts(7, seed=41)]
 checks = {}
 with engine:
