@@ -84,14 +84,15 @@ def test_a_request_never_waits_for_the_batch(backend, tokenizer, one_torch_threa
     held = []  # per decode step: (blocks each row holds, blocks its own positions need)
     with Engine(model, tokenizer, max_batch_size=2, block_size=4) as engine:
         runner, kv = engine._runner, engine._scheduler.kv
-        decode = runner.decode
+        forward = runner.forward
 
-        def recording_decode(order, lengths):
-            for row, length in zip(order, lengths):  # (the pending token's position has its slot)
-                held.append((len(kv.block_table(runner.rows[row].key)), -(-(int(length) + 1) // 4)))
-            return decode(order, lengths)
+        def recording_forward(groups):
+            for rows in (g for g in groups if g.order is not None):  # the decoding rows
+                for row, length in zip(rows.order, rows.positions[:, 0]):  # (the pending token has its slot)
+                    held.append((len(kv.block_table(runner.rows[row].key)), -(-(int(length) + 1) // 4)))
+            return forward(groups)
 
-        runner.decode = recording_decode
+        runner.forward = recording_forward
         long = engine.submit(ids[0], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
         next(iter(long))
         shorts = []

@@ -33,14 +33,14 @@ def tokenizer():
 def slowed(engine, seconds=0.02):
     """Count the engine's decode steps (``counter[0]``) and make each one last at least ``seconds``,
     so a request of a few dozen tokens is surely still running when the test acts on it."""
-    decode, counter = engine._runner.decode, [0]
+    forward, counter = engine._runner.forward, [0]
 
-    def counted(order, lengths):
+    def counted(groups):
         counter[0] += 1
         time.sleep(seconds)
-        return decode(order, lengths)
+        return forward(groups)
 
-    engine._runner.decode = counted
+    engine._runner.forward = counted
     return counter
 
 

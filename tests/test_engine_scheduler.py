@@ -126,3 +126,45 @@ def test_the_engine_finishes_two_prompts_that_fill_its_pool_together(tmp_path, b
     for prompt, out in zip(prompts, outs + [later]):
         want = _host(generate(model, [prompt], max_new_tokens=8, eos_token_id=None))[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == want
+
+
+def _count_forwards(model, backend):
+    """Wrap the model's forward: the list it appends each call's batch shape to."""
+    calls = []
+    name = "forward" if backend == "torch" else "construct"
+    inner = getattr(model, name)
+
+    def counted(input_ids, *args, **kwargs):
+        calls.append(tuple(input_ids.shape))
+        return inner(input_ids, *args, **kwargs)
+
+    setattr(model, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_one_forward_per_step_with_decodes_and_prefill_chunks_together(tmp_path, backend, one_torch_thread):
+    """Rows of very different lengths decode while a long prompt is chunked in: every engine step is
+    one call of the model, and every request still gets generate()'s tokens."""
+    model = load_model(make_checkpoint(tmp_path, "moe", "float32"), backend=backend)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(8, VOCAB, n).tolist() for n in (5, 260, 7, 200)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine = Engine(model, block_size=16, max_num_batched_tokens=48).start(background=False)
+    engine._runner.split_padding = 64  # (rows of 5 and 260 positions decode as two groups of one forward)
+    calls = _count_forwards(model, backend)
+    streams = [engine.submit(p, params) for p in prompts[:3]]
+    per_step, mixed = [], 0
+    while engine.step():
+        per_step.append(len(calls))
+        calls.clear()
+        if len(per_step) == 4:
+            streams.append(engine.submit(prompts[3], params))  # chunked in while the three rows decode
+        out = engine._runner
+        mixed += bool(out.rows) and bool(out.prefills)
+    engine.shutdown()
+    assert per_step and set(per_step[:-1]) == {1} and per_step[-1] in (0, 1), per_step  # (last: drops only)
+    assert mixed > 0  # steps that decoded rows and computed a chunk
+    for prompt, stream in zip(prompts, streams):
+        want = _host(generate(model, [prompt], max_new_tokens=12, eos_token_id=None))[0, len(prompt) :].tolist()
+        assert stream.result(timeout=10).outputs[0].token_ids == want

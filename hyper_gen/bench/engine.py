@@ -145,20 +145,21 @@ def memory(model, args, vocab, rng):
     requests = [(rng.integers(10, vocab, int(n)).tolist(), _greedy(8)) for n in lengths]
     with _engine(model, args, enable_prefix_caching=False) as engine:
         runner, kv, peaks = engine._runner, engine._scheduler.kv, {"used": 0, "live": 0, "ragged": 0}
-        decode = runner.decode
+        forward = runner.forward
         per_token, per_block = runner.layout.bytes_per_token(), engine.stats()["bytes_per_block"]
         states = runner.layout.bytes_per_state()
 
-        def measured(order, lengths):
-            rows = len(order)
+        def measured(groups):
+            lengths = np.concatenate([g.positions[:, 0] for g in groups if g.order is not None] or [np.zeros(0)])
+            rows = len(lengths)
             used = kv.stats()["blocks_used"] * per_block + rows * states
             live = int(lengths.sum()) * per_token + rows * states
             ragged = rows * int(lengths.max(initial=0)) * per_token + rows * states
             for key, value in (("used", used), ("live", live), ("ragged", ragged)):
                 peaks[key] = max(peaks[key], value)
-            return decode(order, lengths)
+            return forward(groups)
 
-        runner.decode = measured
+        runner.forward = measured
         wall, tokens, _, _ = _timed_requests(engine, requests)
     mib = 1 << 20
     print(f"memory: 64 requests, prompts {lengths.min()}..{lengths.max()} tokens, 8 new each ({wall:.1f} s)")

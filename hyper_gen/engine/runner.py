@@ -28,6 +28,7 @@ from ..kv_cache import KVCacheManager, budget
 from ..masks import min_finite, prefill_mask
 from ..outputs import RoutedExperts
 from ..parallel.model_group import gather_vocab_logits
+from ..token_packing import GroupedPacking
 from .config import EngineConfig
 from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, read_past, write_past
 from .scheduler import Scheduled, Scheduler, SchedulerOutput
@@ -45,6 +46,31 @@ class _Prefill:
     def tokens(self) -> List[int]:
         drawn = self.choices[0].token_ids if self.key[1] >= 0 else []
         return list(self.request.prompt) + list(drawn)
+
+
+class _Rows:
+    """One forward's rows (or one group of a grouped forward): (B, S) new tokens left-padded
+    (``new_valid``) after (B, W) past columns (``past_valid``), the pool slots they ``read``
+    ((B, W + S): the past, then their own) and write (the last S), their live states."""
+
+    def __init__(self, ids, positions, past_valid, new_valid, read, routes: bool):
+        self.ids, self.positions, self.read = ids, positions, read
+        self.past_valid, self.new_valid = past_valid, new_valid
+        self.routes = routes
+        self.batch, self.width = ids.shape[0], past_valid.shape[1]
+        self.write = read[:, self.width :]
+        self.conv: Dict[int, Any] = {}
+        self.recurrent: Dict[int, Any] = {}
+        self.order = None  # decode rows: their indices in the runner's rows
+        self.items: List[Scheduled] = []  # prefill chunks: the chunks and their sequences
+        self.entries: List[_Prefill] = []
+
+    def mask(self, dtype: str) -> np.ndarray:
+        """(B, 1, S, W + S) additive: each row's own past, then causal over its new columns."""
+        b, s = self.ids.shape
+        causal = prefill_mask(self.new_valid, s, dtype)
+        past = np.where(self.past_valid, 0.0, min_finite(dtype)).astype(causal.dtype)
+        return np.concatenate([np.broadcast_to(past[:, None, None, :], (b, 1, s, self.width)), causal], -1)
 
 
 class StepResult:
@@ -92,13 +118,38 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run the step: one forward over every group of rows where the model takes a grouped step
+        (decoding rows by length, fresh prompt chunks, chunks after a past by length), else one
+        forward a group; then the draws."""
         result = StepResult()
         self._before(out)
-        if out.decodes:
-            self._decode(out.decodes, result)
-        if out.prefills:
-            self._prefill(out.prefills, result)
+        decodes = self._decode_groups(out.decodes) if out.decodes else []
+        prefills = [self._prefill_group(chunks) for chunks in _batches(out.prefills)]
+        outputs = self.forward(decodes + prefills)
+        if decodes:
+            self._decoded(decodes, outputs[: len(decodes)], result)
+        if prefills:
+            self._prefilled(prefills, outputs[len(decodes) :], result)
         return result
+
+    def forward(self, groups: List["_Rows"]) -> list:
+        """Every forward of a step (a seam: tests and the bench wrap it): per group, (logits, conv,
+        recurrent, routing) or the exception its forward raised."""
+        if len(groups) > 1 and self._groups_in_one_forward(groups):
+            outputs = self._forward_all(groups)
+            if outputs is not None:
+                return outputs
+        outputs = []
+        for rows in groups:
+            try:
+                outputs.append(self._forward(rows))
+            except Exception as error:
+                outputs.append(error)
+        return outputs
+
+    def _groups_in_one_forward(self, groups) -> bool:
+        grouped = self.layout.cache_object and getattr(self.model, "supports_grouped_step", False)
+        return grouped and not any(g.routes for g in groups)  # (routing is recorded a forward at a time)
 
     def _before(self, out: SchedulerOutput) -> None:
         """What the last step left: snapshots, block copies, forks, frees; then this step's tables."""
@@ -149,38 +200,68 @@ class ModelRunner:
         self.rows.extend(choices)
 
     # ---- forwards ------------------------------------------------------------------------------
-    def _forward(self, ids, positions, past_valid, new_valid, write, read, conv, recurrent, routes: bool):
+    def _forward(self, rows: "_Rows"):
         """One forward over (B, S) new tokens after (B, W) past columns: ((B, V) last logits, conv,
         recurrent, (B, layers, top_k) routing of the last positions or None)."""
-        ops, (b, s), width = self.ops, ids.shape, past_valid.shape[1]
-        causal = prefill_mask(new_valid, s, self.dtype)  # (B, 1, S, S) over the step's own columns
-        past = np.where(past_valid, 0.0, min_finite(self.dtype)).astype(causal.dtype)
-        mask = np.concatenate([np.broadcast_to(past[:, None, None, :], (b, 1, s, width)), causal], -1)
-        kwargs = dict(position_ids=ops.asarray(positions, "int64"), attention_mask=ops.asarray(mask, self.dtype))
-        tokens = ops.asarray(ids, "int64")
+        ops = self.ops
+        mask = ops.asarray(rows.mask(self.dtype), self.dtype)
+        kwargs = dict(position_ids=ops.asarray(rows.positions, "int64"), attention_mask=mask)
+        tokens = ops.asarray(rows.ids, "int64")
         if self.layout.cache_object:
-            cache = PagedCache(self.store, write, read, width, conv, recurrent)
-            if width == 0 and not new_valid.all():
-                cache.prompt_mask = ops.asarray(new_valid.astype(np.int64), self.dtype)
+            cache = self._paged_cache(rows)
             kwargs.update(past_key_values=cache, logits_to_keep=1)
         else:
-            kwargs.update(past_key_values=read_past(self.store, read[:, :width]) if width else None)
+            width = rows.width
+            kwargs.update(past_key_values=read_past(self.store, rows.read[:, :width]) if width else None)
         call = functools.partial(self._call, tokens, **kwargs)
         routed = None
-        if routes:
+        if rows.routes:
             recorder = self.check_routes()
             output, recorded = recorder.forward(call)
-            routed = recorder.positions(recorded, new_valid)[:, -1]
+            routed = recorder.positions(recorded, rows.new_valid)[:, -1]
         else:
             output = call()
         if self.layout.cache_object:
             conv, recurrent = cache.conv_states, cache.recurrent_states
         else:
+            conv, recurrent = {}, {}
             past_kv = past_of(output)
             if past_kv is None:
                 raise TypeError(f"{type(self.model).__name__} returned no past_key_values")
-            write_past(self.store, past_kv, write, width)
+            write_past(self.store, past_kv, rows.write, rows.width)
         return logits_of(output, ops)[:, -1], conv, recurrent, routed
+
+    def _paged_cache(self, rows: "_Rows") -> PagedCache:
+        cache = PagedCache(self.store, rows.write, rows.read, rows.width, rows.conv, rows.recurrent)
+        if rows.width == 0 and not rows.new_valid.all():
+            cache.prompt_mask = self.ops.asarray(rows.new_valid.astype(np.int64), self.dtype)
+        return cache
+
+    def _forward_all(self, groups: List["_Rows"]):
+        """One forward over every group (``token_packing.GroupedPacking``): per group what
+        ``_forward`` gives; None if it raised (each group then runs alone, so only what fails does)."""
+        ops = self.ops
+        ends, at = [], 0
+        for rows in groups:
+            counts = rows.new_valid.sum(axis=1)
+            ends.append(at + np.cumsum(counts) - 1)  # each row's last real token in the packed order
+            at += int(counts.sum())
+        step = GroupedPacking(ops, [rows.new_valid for rows in groups], np.concatenate(ends))
+        for group, rows in zip(step.groups, groups):
+            group.cache = self._paged_cache(rows)
+            group.mask = ops.asarray(rows.mask(self.dtype), self.dtype)
+            group.positions = ops.asarray(rows.positions, "int64")
+        ids = np.concatenate([rows.ids[rows.new_valid] for rows in groups])[None]
+        try:
+            logits = logits_of(self._call(ops.asarray(ids, "int64"), past_key_values=step), ops)[:, -1]
+        except Exception:
+            return None
+        outputs, first = [], 0
+        for group, rows in zip(step.groups, groups):
+            picked = np.arange(first, first + rows.batch)
+            first += rows.batch
+            outputs.append((ops.take(logits, picked, 0), group.cache.conv_states, group.cache.recurrent_states, None))
+        return outputs
 
     def _call(self, ids, **kwargs):
         return self.model(ids, **self.signature.keep(kwargs))
@@ -196,47 +277,71 @@ class ModelRunner:
         return select(self.ops, scores, choices, vocab, logprobs=self.logprobs)
 
     # ---- decode --------------------------------------------------------------------------------
-    def _decode(self, items: List[Scheduled], result: StepResult) -> None:
-        """One token for every decoding row the step names (all of them, in the usual case)."""
+    def _decode_groups(self, items: List[Scheduled]) -> List["_Rows"]:
+        """The decoding rows the step names (all of them, in the usual case), in the rows' own order
+        (so their states pass whole), split by length where one group would gather more padding
+        than the rows' own positions (``length_groups``)."""
         index = {row.key: i for i, row in enumerate(self.rows)}
-        start = {index[item.key]: item.start for item in items}
-        order = np.asarray(sorted(start), dtype=np.int64)  # the rows' own order: their states pass whole
-        lengths = np.asarray([start[i] for i in order], dtype=np.int64)
+        by_row = {index[item.key]: item for item in items}
+        order = np.asarray(sorted(by_row), dtype=np.int64)
+        lengths = np.asarray([by_row[i].start for i in order], dtype=np.int64)
+        routes = any(getattr(self.rows[i].request.params, "return_routed_experts", False) for i in order)
+        groups = []
+        for picked in length_groups(lengths, self.split_padding):
+            rows = self._decode_rows(order[picked], lengths[picked], routes)
+            rows.items = [by_row[i] for i in rows.order]
+            groups.append(rows)
+        return groups
+
+    def _decode_rows(self, order: np.ndarray, lengths: np.ndarray, routes: bool) -> "_Rows":
+        """The forward inputs of the rows at ``order`` (positions ``lengths``)."""
+        b, width = len(order), int(lengths.max())
+        read = np.full((b, width + 1), NULL_SLOT, dtype=np.int64)
+        past_valid = np.zeros((b, width), dtype=bool)
+        pending = np.zeros((b, 1), dtype=np.int64)
+        for i, row in enumerate(order):
+            n, choice = int(lengths[i]), self.rows[row]
+            slots = self._slots(choice.key, 0, n + 1)
+            read[i, :n], read[i, width] = slots[:n], slots[n]
+            past_valid[i, :n] = True
+            pending[i, 0] = choice.token_ids[-1]
+        pick = (lambda t: t) if self._whole(order) else (lambda t: self.ops.take(t, order, 0))
+        rows = _Rows(pending, lengths[:, None], past_valid, np.ones((b, 1), dtype=bool), read, routes)
+        rows.order = order
+        rows.conv = {i: pick(t) for i, t in self.conv.items()}
+        rows.recurrent = {i: pick(t) for i, t in self.recurrent.items()}
+        return rows
+
+    def _decoded(self, groups: List["_Rows"], outputs, result: StepResult) -> None:
+        """After the decode groups' forwards (``outputs``): their states kept, one token drawn a row."""
+        order = np.concatenate([rows.order for rows in groups])
         rows = [self.rows[i] for i in order]
+        ops, outs = self.ops, outputs
         try:
-            logits = self.decode(order, lengths)
+            failed = next((out for out in outs if isinstance(out, BaseException)), None)
+            if failed is not None:
+                raise failed
+            logits = outs[0][0] if len(outs) == 1 else ops.concat([out[0] for out in outs], 0)
             scores = self._scores(logits)
         except Exception as error:  # the model failed: the rows in it fail, the engine goes on
             self._drop_rows({row.key for row in rows})
             result.errors += [(request, error) for request in {id(r.request): r.request for r in rows}.values()]
             return
+        states = [
+            outs[0][k] if len(outs) == 1 else {i: ops.concat([out[k][i] for out in outs], 0) for i in outs[0][k]}
+            for k in (1, 2)
+        ]
+        self._put_states(order, *states)
+        routed = [out[3] for out in outs]
+        self.routed = None if routed[0] is None else np.concatenate(routed)
         selection = self._select(scores, rows)  # (a bug here is the engine's: it stops, loudly)
         result.samples.append((rows, selection, self.routed))
         result.computed.update(row.key for row in rows)
         if self.layout.hybrid:
-            place = {self.rows[i].key: i for i in order}
-            for item in items:
+            place = {row.key: i for i, row in zip(order, rows)}
+            for item in (i for g in groups for i in g.items):
                 if item.boundary:  # (copies of the dicts: a later drop replaces their tensors)
                     self.boundary_states[item.key] = (dict(self.conv), dict(self.recurrent), place[item.key])
-
-    def decode(self, order: np.ndarray, lengths: np.ndarray):
-        """(B, V) logits of the rows at ``order`` (positions ``lengths``); rows of very different
-        lengths decode in separate forwards (``length_groups``)."""
-        routes = any(getattr(self.rows[i].request.params, "return_routed_experts", False) for i in order)
-        groups = length_groups(lengths, self.split_padding)
-        if len(groups) == 1:
-            logits, conv, recurrent, self.routed = self._decode_rows(order, lengths, routes)
-            self._put_states(order, conv, recurrent)
-            return logits
-        outs = [self._decode_rows(order[g], lengths[g], routes) for g in groups]
-        back = np.argsort(np.concatenate(groups), kind="stable")  # the rows' places in the groups' order
-        ops = self.ops
-        logits = ops.take(ops.concat([out[0] for out in outs], 0), back, 0)
-        states = [{i: ops.take(ops.concat([o[k][i] for o in outs], 0), back, 0) for i in outs[0][k]} for k in (1, 2)]
-        self._put_states(order, *states)
-        routed = [out[3] for out in outs]
-        self.routed = None if routed[0] is None else np.concatenate(routed)[back]
-        return logits
 
     def _whole(self, order: np.ndarray) -> bool:
         return len(order) == len(self.rows) and bool((order == np.arange(len(order))).all())
@@ -252,65 +357,10 @@ class ModelRunner:
             for layer, state in states.items():
                 store[layer] = self.ops.take(self.ops.concat([store[layer], state], 0), picks, 0)
 
-    def _decode_rows(self, order: np.ndarray, lengths: np.ndarray, routes: bool):
-        """One decode forward over the rows at ``order`` (positions ``lengths``)."""
-        b, width = len(order), int(lengths.max())
-        read = np.full((b, width + 1), NULL_SLOT, dtype=np.int64)
-        past_valid = np.zeros((b, width), dtype=bool)
-        pending = np.zeros((b, 1), dtype=np.int64)
-        for i, row in enumerate(order):
-            n, choice = int(lengths[i]), self.rows[row]
-            slots = self._slots(choice.key, 0, n + 1)
-            read[i, :n], read[i, width] = slots[:n], slots[n]
-            past_valid[i, :n] = True
-            pending[i, 0] = choice.token_ids[-1]
-        pick = (lambda t: t) if self._whole(order) else (lambda t: self.ops.take(t, order, 0))
-        return self._forward(
-            pending,
-            lengths[:, None],
-            past_valid,
-            np.ones((b, 1), dtype=bool),
-            read[:, width:],
-            read,
-            {i: pick(t) for i, t in self.conv.items()},
-            {i: pick(t) for i, t in self.recurrent.items()},
-            routes,
-        )
-
     # ---- prefill -------------------------------------------------------------------------------
-    def _prefill(self, items: List[Scheduled], result: StepResult) -> None:
-        """This step's chunks, batched (``_batches``); a group that raises is retried one by one, so
-        only the request that fails does."""
-        done = []
-        for chunks in _batches(items):
-            try:
-                done += self._prefill_chunks(chunks, result)
-                continue
-            except Exception as error:
-                if len(chunks) == 1:
-                    self._fail_prefill(chunks[0], error, result)
-                    continue
-            for chunk in chunks:
-                try:
-                    done += self._prefill_chunks([chunk], result)
-                except Exception as error:
-                    self._fail_prefill(chunk, error, result)
-        for entry, logits, routed in done:
-            self._draw_first(entry, logits, routed, result)
-
-    def _fail_prefill(self, item: Scheduled, error, result: StepResult) -> None:
-        entry = self.prefills.get(item.key)
-        if entry is not None:
-            result.errors.append((entry.request, error))
-            self.free(item.key)
-
-    def _wants_routes(self, entry: _Prefill) -> bool:
-        return not entry.resume and bool(getattr(entry.request.params, "return_routed_experts", False))
-
-    def _prefill_chunks(self, chunks: List[Scheduled], result: StepResult) -> list:
-        """One forward over chunks: fresh ones (start 0) left-padded to the longest; chunks after a
-        past all of one length (``_batches``), each row reading its own past. Returns (entry, (1, V)
-        logits, routing) of the prompts it completed."""
+    def _prefill_group(self, chunks: List[Scheduled]) -> "_Rows":
+        """The forward inputs of chunks: fresh ones (start 0) left-padded to the longest; chunks
+        after a past all of one length (``_batches``), each row reading its own past."""
         entries = [self.prefills[item.key] for item in chunks]
         b = len(chunks)
         width = max(item.count for item in chunks)
@@ -327,25 +377,53 @@ class ModelRunner:
             ids[j, width - n :], valid[j, width - n :] = entry.tokens()[start:end], True
             positions[j, width - n :] = np.arange(start, end)
             past_valid[j, :start], read[j, :start], read[j, past + width - n :] = True, slots[:start], slots[start:]
-        states = {}
+        routes = any(item.sample and self._wants_routes(e) for item, e in zip(chunks, entries))
+        rows = _Rows(ids, positions, past_valid, valid, read, routes)
+        rows.items, rows.entries = chunks, entries
         if entries[0].conv or entries[0].recurrent:  # rows after a past: every one has its state
             for name in ("conv", "recurrent"):
                 layers = getattr(entries[0], name)
-                states[name] = {i: self.ops.concat([getattr(e, name)[i] for e in entries], 0) for i in layers}
-        routes = any(item.sample and self._wants_routes(e) for item, e in zip(chunks, entries))
-        logits, conv, recurrent, routed = self._forward(
-            ids,
-            positions,
-            past_valid,
-            valid,
-            read[:, past:],
-            read,
-            states.get("conv", {}),
-            states.get("recurrent", {}),
-            routes,
-        )
+                setattr(rows, name, {i: self.ops.concat([getattr(e, name)[i] for e in entries], 0) for i in layers})
+        return rows
+
+    def _prefilled(self, groups: List["_Rows"], outputs, result: StepResult) -> None:
+        """After the prefill groups' forwards (``outputs``; a group that raised is retried chunk by
+        chunk, so only the request that fails does): the chunks' states kept, the first draws."""
         done = []
-        for j, (item, entry) in enumerate(zip(chunks, entries)):
+        for rows, output in zip(groups, outputs):
+            try:
+                if isinstance(output, BaseException):
+                    raise output
+                done += self._chunks_done(rows, output, result)
+                continue
+            except Exception as error:
+                if rows.batch == 1:
+                    self._fail_prefill(rows.items[0], error, result)
+                    continue
+            for item in rows.items:
+                try:
+                    alone = self._prefill_group([item])
+                    done += self._chunks_done(alone, self._forward(alone), result)
+                except Exception as error:
+                    self._fail_prefill(item, error, result)
+        for entry, logits, routed in done:
+            self._draw_first(entry, logits, routed, result)
+
+    def _fail_prefill(self, item: Scheduled, error, result: StepResult) -> None:
+        entry = self.prefills.get(item.key)
+        if entry is not None:
+            result.errors.append((entry.request, error))
+            self.free(item.key)
+
+    def _wants_routes(self, entry: _Prefill) -> bool:
+        return not entry.resume and bool(getattr(entry.request.params, "return_routed_experts", False))
+
+    def _chunks_done(self, rows: "_Rows", output, result: StepResult) -> list:
+        """Keep each chunk's states; (entry, (1, V) logits, routing) of the prompts it completed (a
+        resumed choice that caught up joins the rows, to decode its pending token next)."""
+        logits, conv, recurrent, routed = output
+        b, done = rows.batch, []
+        for j, (item, entry) in enumerate(zip(rows.items, rows.entries)):
             row = np.asarray([j])
             entry.conv = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in conv.items()}
             entry.recurrent = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in recurrent.items()}
@@ -353,17 +431,11 @@ class ModelRunner:
             if item.boundary and self.layout.hybrid:
                 self.boundary_states[item.key] = (entry.conv, entry.recurrent, 0)
             if item.sample:
-                done.append((j, entry))
+                pick = logits if b == 1 else self.ops.take(logits, row, 0)
+                done.append((entry, pick, None if routed is None else routed[j]))
             elif entry.resume and item.start + item.count == len(entry.tokens()) - 1:
-                self._join(self.prefills.pop(item.key), entry.choices)  # decodes its pending token next
-        return [
-            (
-                entry,
-                logits if b == 1 else self.ops.take(logits, np.asarray([j]), 0),
-                None if routed is None else routed[j],
-            )
-            for j, entry in done
-        ]
+                self._join(self.prefills.pop(item.key), entry.choices)
+        return done
 
     def _draw_first(self, entry: _Prefill, logits, routed, result: StepResult) -> None:
         """A prompt done: its choices draw their first tokens (n choices from the same logits); one

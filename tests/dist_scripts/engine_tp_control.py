@@ -74,16 +74,16 @@ def reference(prompt, count, **overrides):
     return out[: ended[0] + 1].tolist() if ended.size and "eos_token_id" not in overrides else out.tolist()
 
 
-decode, decodes = engine._runner.decode, [0]
+forward, decodes = engine._runner.forward, [0]
 
 
-def slow_decode(order, lengths):  # rank 0 only: the follower waits in the step's collectives
+def slow_forward(groups):  # rank 0 only: the follower waits in the step's collectives
     decodes[0] += 1
     time.sleep(0.02)
-    return decode(order, lengths)
+    return forward(groups)
 
 
-engine._runner.decode = slow_decode
+engine._runner.forward = slow_forward
 ids = [tokenizer(p)["input_ids"] for p, _ in make_prompts(7, seed=41)]
 checks = {}
 with engine:

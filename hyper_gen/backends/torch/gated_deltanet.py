@@ -15,6 +15,7 @@ from hyper_gen.backends.torch.layers import compute_dtype, gated_rms_norm, l2_no
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import GatedDeltaNetShard
 from hyper_gen.parallel.context_parallel import CPStep
+from hyper_gen.token_packing import GroupedPacking
 
 CHUNK_SIZE = 64  # Gated DeltaNet prefill chunk length (HF's)
 
@@ -167,15 +168,34 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, cache, prompt_mask, cp_step: Optional[CPStep] = None, packing=None):
         if packing is None and prompt_mask is not None:  # left padding adds nothing to conv or recurrent state
             x = (x * prompt_mask[:, :, None]).to(x.dtype)
+        mixed, z = self.kernels.project(x, self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
+        beta, decay = x @ self.in_proj_b, x @ self.in_proj_a
+        if isinstance(packing, GroupedPacking):  # each group's rows run the conv and delta rule on their own
+            split = [self.conv_dim, self.num_v_heads, self.num_v_heads]
+
+            def mix(group, rows):
+                parts = rows.split(split, dim=-1)
+                return self._mix(*parts, group.cache, None, group if group.padded else None)
+
+            out = packing.map(torch.cat([mixed, beta, decay], dim=-1), mix)
+        else:
+            if packing is not None:  # padding positions: the zeros HF's masked input projects to
+                mixed, beta, decay = (packing.unpack_batch(t) for t in (mixed, beta, decay))
+            out = self._mix(mixed, beta, decay, cache, cp_step, packing)
+            if packing is not None:
+                out = packing.pack(out)
+        shape = z.shape
+        out = gated_rms_norm(
+            out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps
+        )
+        return self.kernels.project(out.reshape(shape), self.out_proj)
+
+    def _mix(self, mixed, beta, decay, cache, cp_step, packing):
+        """The conv and the delta rule over (B, S, ...) rows, through the cache's states: (B, S, Hv*Dv)."""
         conv_state = recurrent_state = None
         if cache is not None:
             conv_state = cache.conv_states.get(self.layer_idx)
             recurrent_state = cache.recurrent_states.get(self.layer_idx)
-
-        mixed, z = self.kernels.project(x, self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
-        beta, decay = x @ self.in_proj_b, x @ self.in_proj_a
-        if packing is not None:  # padding positions: the zeros HF's masked input projects to
-            mixed, beta, decay = (packing.unpack_batch(t) for t in (mixed, beta, decay))
         b, s, _ = mixed.shape
         sharded = cp_step is not None and cp_step.sharded
         if sharded:
@@ -195,14 +215,7 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.conv_states[self.layer_idx] = conv_state
             cache.recurrent_states[self.layer_idx] = recurrent_state
-
-        if packing is not None:
-            out = packing.pack(out.reshape(b, s, self.value_dim))
-        shape = z.shape
-        out = gated_rms_norm(
-            out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps
-        )
-        return self.kernels.project(out.reshape(shape), self.out_proj)
+        return out.reshape(b, s, self.value_dim)
 
     def _conv(self, mixed: torch.Tensor, state: Optional[torch.Tensor]):
         """Depthwise causal conv + SiLU of (B, C, S); returns it and the new (B, C, K-1) state."""

@@ -54,7 +54,7 @@ from hyper_gen.parallel.groups import shard_groups
 from hyper_gen.parallel.rank_sum import RankSum
 from hyper_gen.parallel.sharded_model import set_parallel, whole_vocabulary
 from hyper_gen.parallel.tp_plan import TPPlan
-from hyper_gen.token_packing import TokenPacking
+from hyper_gen.token_packing import GroupedPacking, TokenPacking
 
 # ---------------------------------------------------------------------------------- attention
 
@@ -81,8 +81,18 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, cos, sin, attention_mask, cache, cp_step: Optional[CPStep] = None, packing=None):
         projected = self.kernels.project(x, self.qkv_proj)
+        if isinstance(packing, GroupedPacking):  # each group's rows attend on their own
+            out = packing.map(projected, lambda g, rows: self._mix(rows, g.cos, g.sin, g.mask, g.cache, None))
+            return self.kernels.project(out, self.o_proj)
         if packing is not None:
             projected = packing.unpack_batch(projected)
+        out = self._mix(projected, cos, sin, attention_mask, cache, cp_step)
+        if packing is not None:
+            out = packing.pack(out)
+        return self.kernels.project(out, self.o_proj)
+
+    def _mix(self, projected, cos, sin, attention_mask, cache, cp_step):
+        """(B, S, qkv columns) of the projection -> (B, S, H*D) gated attention output."""
         b, s, _ = projected.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         query_gate, key, value = projected.split([2 * h * d, kv * d, kv * d], dim=-1)
@@ -99,10 +109,7 @@ class GatedAttention(nn.Module):
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
             out = self._attend(query, key, value, attention_mask)
-        out = out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
-        if packing is not None:
-            out = packing.pack(out)
-        return self.kernels.project(out, self.o_proj)
+        return out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
 
     def _attend_context_parallel(self, query, key, value, mask, cache, step: CPStep):
         """Sharded prefill: this rank's queries over every rank's K/V (one all-gather of K|V), the
@@ -283,6 +290,7 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Module):
     """
 
     supports_cache_object = True
+    supports_grouped_step = True  # forward(past_key_values=GroupedPacking): several row groups in one forward
 
     kernels = PLAIN  # the model's TorchKernels, set by load
 
@@ -316,6 +324,8 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Module):
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep=0):
         cache, ops = past_key_values, TorchOps(input_ids.device)
+        if isinstance(cache, GroupedPacking):
+            return self._forward_groups(input_ids, cache)
         batch, seq = input_ids.shape
         position_ids, attention_mask = contract_defaults(
             ops, cache, batch, seq, position_ids, attention_mask, dtype_name(self.dtype)
@@ -343,6 +353,21 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Module):
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return {"logits": whole_vocabulary(self, self.kernels.project(hidden, head), ops)}
+
+    def _forward_groups(self, input_ids, step: GroupedPacking):
+        """One forward over several groups of rows (``token_packing.GroupedPacking``): the packed
+        (1, N) tokens through every row-wise layer once, each group's mixers on its own rows; the
+        logits of the packed rows ``step.keep``, (len(keep), 1, V)."""
+        hidden = self._embed(input_ids.reshape(-1))
+        for group in step.groups:
+            cos, sin = rotary_cos_sin(group.positions, self.inv_freq, hidden.dtype)
+            group.cos, group.sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for layer in self.layers:
+            hidden = layer(hidden, None, None, None, None, None, None, step)
+        hidden = self.norm(hidden[torch.as_tensor(step.keep, device=hidden.device)])
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = whole_vocabulary(self, self.kernels.project(hidden, head), TorchOps(input_ids.device))
+        return {"logits": logits[:, None]}
 
     def _embed(self, input_ids):
         if self.tp_plan.tp == 1:
