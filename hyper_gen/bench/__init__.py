@@ -19,11 +19,13 @@
 - ``engine``: the paged engine: prefix caching on vs off, peak cache bytes vs live tokens, running
   rows' latency while a long prompt is prefilled in chunks, a GRPO group vs generate and HF, and
   what paging costs a decode step.
+- ``text``: the engine's output processing (incremental detokenization, stop strings) per generated
+  token at 256 and 16,384 tokens: a cost that grows with the output would show as a ratio above 1.
 
-Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs|engine] ...`` (``loop`` when none is
-named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command> --help`` explains every flag
-with its default. MindSpore's and transformers' own logs are errors only (``GLOG_v=3``, unless
-set), as in the rest of the CLI; ``-v`` shows them.
+Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs|engine|text] ...``
+(``loop`` when none is named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command>
+--help`` explains every flag with its default. MindSpore's and transformers' own logs are errors
+only (``GLOG_v=3``, unless set), as in the rest of the CLI; ``-v`` shows them.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def build_parser() -> OneLineParser:
     from .logprobs import add_parser as add_logprobs_parser
     from .offline import add_parser as add_offline_parser
     from .serve import add_parser as add_serve_parser
+    from .text import add_parser as add_text_parser
     from .update import add_parser as add_update_parser
 
     add_serve_parser(sub)
@@ -127,6 +130,7 @@ def build_parser() -> OneLineParser:
     add_update_parser(sub)
     add_logprobs_parser(sub)
     add_engine_parser(sub)
+    add_text_parser(sub)
     return parser
 
 
@@ -140,7 +144,11 @@ def main(argv=None):
         quiet_framework_logs()  # before the command imports a framework (MindSpore reads it then)
     if getattr(args, "min_prompt_len", 0) > getattr(args, "prompt_len", 0) and args.which == "models":
         parser.error(f"--min-prompt-len ({args.min_prompt_len}) must not exceed --prompt-len ({args.prompt_len})")
-    if args.which == "engine":
+    if args.which == "text":
+        from .text import run_text
+
+        run_text(args)
+    elif args.which == "engine":
         from .engine import run_engine
 
         run_engine(args)
