@@ -128,15 +128,29 @@ def _score(model, sequences, attention_mask, prompt_lengths, top=None):
         following = ops.asarray(ids[:, 1:, None], "int64")
         picked = ops.take_along_axis(logprobs, following, -1)[:, :, 0]  # (B, T - 1): token t + 1 given <= t
         if top is not None:
-            values = ids_top = None
-            if top:
-                values, ids_top = ops.topk(logprobs[0], min(top, int(logprobs.shape[-1])))
-                values, ids_top = ops.to_numpy(values), ops.to_numpy(ids_top).astype(np.int64)
-            above = ops.cast(logprobs[0] > picked[0][:, None], "float32")  # tokens likelier than the prompt's
-            ranks = ops.to_numpy(ops.sum(above, -1)).astype(np.int64) + 1
-            return ops.to_numpy(picked[0]), values, ids_top, ranks
+            return _top_of(ops, logprobs[0], picked[0], top)
         picked = ops.concat([ops.zeros((batch, 1), dtype), picked], 1)
         return ops.where(ops.asarray(scored, "bool"), picked, 0.0), None, None, None
+
+
+def position_top_logprobs(ops, logits, following: np.ndarray, k: int):
+    """``prompt_top_logprobs``' host arrays from (T, V) logits already computed (the engine's prefill
+    chunks): position t's distribution scores token ``following[t]``."""
+    dtype = "float64" if ops.dtype_name(logits) == "float64" else "float32"
+    logprobs = log_softmax(ops, ops.cast(logits, dtype))
+    picked = ops.take_along_axis(logprobs, ops.asarray(following[:, None], "int64"), -1)[:, 0]
+    return _top_of(ops, logprobs, picked, int(k))
+
+
+def _top_of(ops, logprobs, picked, top: int):
+    """(chosen, top values, top ids, ranks) on the host of (T, V) ``logprobs`` and the (T,) ``picked``."""
+    values = ids_top = None
+    if top:
+        values, ids_top = ops.topk(logprobs, min(top, int(logprobs.shape[-1])))
+        values, ids_top = ops.to_numpy(values), ops.to_numpy(ids_top).astype(np.int64)
+    above = ops.cast(logprobs > picked[:, None], "float32")  # tokens likelier than the prompt's
+    ranks = ops.to_numpy(ops.sum(above, -1)).astype(np.int64) + 1
+    return ops.to_numpy(picked), values, ids_top, ranks
 
 
 _UNCHECKED = (("prompt_lengths", b""),)  # the extra fields score() compares across ranks, unset

@@ -8,11 +8,13 @@ prefilled side by side until the pool was full) on torch and MindSpore: both req
 one finish with generate()'s tokens.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from qwen_checkpoints import make_checkpoint
 
-from hyper_gen import generate, load_model
+from hyper_gen import generate, load_model, score
 from hyper_gen.engine import Engine, SamplingParams
 from hyper_gen.engine.request import Request
 from hyper_gen.engine.scheduler import Scheduler, SchedulerOutput
@@ -144,8 +146,8 @@ def _count_forwards(model, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
 def test_one_forward_per_step_with_decodes_and_prefill_chunks_together(tmp_path, backend, one_torch_thread):
-    """Rows of very different lengths decode while a long prompt is chunked in: every engine step is
-    one call of the model, and every request still gets generate()'s tokens."""
+    """Rows of very different lengths decode while a long prompt is chunked in, with prompt logprobs:
+    every engine step is one call of the model, and every request still gets generate()'s tokens."""
     model = load_model(make_checkpoint(tmp_path, "moe", "float32"), backend=backend)
     rng = np.random.default_rng(8)
     prompts = [rng.integers(8, VOCAB, n).tolist() for n in (5, 260, 7, 200)]
@@ -159,7 +161,8 @@ def test_one_forward_per_step_with_decodes_and_prefill_chunks_together(tmp_path,
         per_step.append(len(calls))
         calls.clear()
         if len(per_step) == 4:
-            streams.append(engine.submit(prompts[3], params))  # chunked in while the three rows decode
+            # chunked in while the three rows decode, its prompt logprobs from those chunks' own logits
+            streams.append(engine.submit(prompts[3], dataclasses.replace(params, prompt_logprobs=2)))
         out = engine._runner
         mixed += bool(out.rows) and bool(out.prefills)
     engine.shutdown()
@@ -168,3 +171,7 @@ def test_one_forward_per_step_with_decodes_and_prefill_chunks_together(tmp_path,
     for prompt, stream in zip(prompts, streams):
         want = _host(generate(model, [prompt], max_new_tokens=12, eos_token_id=None))[0, len(prompt) :].tolist()
         assert stream.result(timeout=10).outputs[0].token_ids == want
+    entries = streams[3].result().prompt_logprobs
+    scored = _host(score(model, [prompts[3]]))[0]
+    assert len(entries) == len(prompts[3]) and entries[0] is None
+    assert max(abs(e["logprob"] - float(s)) for e, s in zip(entries[1:], scored[1:])) < 1e-4

@@ -1,7 +1,9 @@
 """``SamplingParams(prompt_logprobs=k)``: vLLM's prompt logprobs from the engine (torch and MindSpore)
 and the OpenAI-compatible server (torch, a real ``hyper-gen serve`` through the ``openai`` client).
-Each prompt token's logprob is ``hyper_gen.score``'s, the top k are ``topk`` of the log-softmax of HF
-transformers' own forward on the same weights."""
+They come from the prompt's own prefill forward (chunked, batched with other requests): each prompt
+token's logprob is ``hyper_gen.score``'s (to float32's reassociation across batch shapes, and within
+1e-9 in float64), the top k are ``topk`` of the log-softmax of HF transformers' own forward on the same
+weights."""
 
 import dataclasses
 import json
@@ -18,9 +20,10 @@ from hyper_gen.demo import demo_model_path
 from hyper_gen.engine import Engine, SamplingParams
 
 BACKENDS = ["torch", "mindspore"]
-# |engine - score|: torch repeats a forward bit for bit; MindSpore CPU's float32 forward does not (two
-# score() calls on one prompt differ by up to ~2e-6 at logprobs near -4), so it gets a few ulps more
-SAME_AS_SCORE = {"torch": 1e-6, "mindspore": 5e-6}
+# |engine - score| in float32: the engine's prefill runs the prompt left-padded beside other requests
+# and in chunks, score() alone in one forward, so the products round differently (a few ulps of a
+# logprob near -14); float64 pins the math (test_prompt_logprobs_are_score_in_float64)
+SAME_AS_SCORE = {"torch": 2e-5, "mindspore": 2e-5}
 DEMO = demo_model_path()
 _MODELS = {}
 
@@ -83,6 +86,24 @@ def test_prompt_logprobs_are_score_and_hf_topk(backend, prompts, hf, one_torch_t
                 assert got_ids == ids[t - 1].tolist()
                 np.testing.assert_allclose(got_values, values[t - 1].numpy(), atol=1e-4)
     assert len(outs[2].outputs) == 2  # n=2: one prompt_logprobs for the request
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_logprobs_are_score_in_float64(backend, prompts, one_torch_thread):
+    """From chunks of 4 positions (each a forward of its own, the last beside another request's
+    decode): each prompt token's logprob is score()'s within 1e-9, its rank and top k the same."""
+    model = load_model(DEMO, backend=backend, dtype="float64")
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3)
+    with Engine(model, max_num_batched_tokens=4, block_size=4) as engine:
+        other = engine.submit(prompts[1], SamplingParams(max_tokens=8, temperature=0))
+        out = engine.submit(prompts[0], params).result(timeout=120)
+        other.result(timeout=120)
+    scored = host(score(model, [prompts[0]]))[0]
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompts[0]) and entries[0] is None
+    for t in range(1, len(prompts[0])):
+        assert abs(entries[t]["logprob"] - float(scored[t])) <= 1e-9
+        assert entries[t]["top_logprobs"][0][1] >= entries[t]["logprob"] - 1e-12
 
 
 def test_a_one_token_prompt_has_only_none(one_torch_thread):

@@ -44,11 +44,10 @@ from ..inputs import ModelLimits
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, parallel_group
 from ..registry import backend_for, thread_initializer
-from ..scoring import prompt_top_logprobs
 from .checks import check_engine_model, check_prompt_ids, check_request
 from .config import EngineConfig, resolve_engine_config
 from .control import Control, EngineControl, RecentIds
-from .outputs import ChoiceOutput, CompletionChunk, RequestOutput, prompt_logprob_entries
+from .outputs import ChoiceOutput, CompletionChunk, RequestOutput
 from .params import SamplingParams
 from .plan import Admission, StepPlan, share_plan
 from .request import Request
@@ -489,7 +488,7 @@ class Engine(EngineControl):
                 return
             scheduled = plan.scheduled
             for admission in plan.admissions:
-                self._prompt_logprobs(self._request_of(admission), scheduled)
+                self._request_of(admission)
             result = self._runner.execute(scheduled)
             for request, error in result.errors:
                 self._fail(request, error)
@@ -516,20 +515,6 @@ class Engine(EngineControl):
         request.open_choices(self.eos_token_ids, None)
         self._live[request.serial] = request
         return request
-
-    def _prompt_logprobs(self, request: Request, scheduled) -> None:
-        """``params.prompt_logprobs``: score()'s forward over the prompt, once, on every rank; a
-        request whose forward fails fails here and its chunk is not run."""
-        request.prompt_logprobs = None
-        if request.params.prompt_logprobs is None:
-            return
-        try:
-            found = prompt_top_logprobs(self.model, request.prompt, request.params.prompt_logprobs)
-        except Exception as error:
-            self._fail(request, error)
-            scheduled.prefills[:] = [s for s in scheduled.prefills if s.key[0] != request.serial]
-            return
-        request.prompt_logprobs = prompt_logprob_entries(request.prompt, *found) if self.rank == 0 else None
 
     # ---- results (rank 0 streams them; every rank keeps the token counts) ----------------
     def _record(self, choices, selection, routed) -> None:

@@ -77,11 +77,23 @@ def logprob_entry(token_id: int, logprob: float, top_logprobs) -> dict:
 def prompt_logprob_entries(prompt: List[int], chosen, values, ids, ranks) -> List[Optional[dict]]:
     """``RequestOutput.prompt_logprobs`` from ``scoring.prompt_top_logprobs``' host arrays: logprob
     entries with one more key, ``rank``: the prompt token's rank in its position's distribution (1 = likeliest)."""
-    entries: List[Optional[dict]] = [None]
-    for t, token in enumerate(prompt[1:]):
+    return [None] + ranked_entries(prompt[1:], chosen, values, ids, ranks)
+
+
+def ranked_entries(tokens: List[int], chosen, values, ids, ranks) -> List[dict]:
+    """The entries of ``tokens``, each scored at its own row of the arrays (a stretch of a prompt)."""
+    entries = []
+    for t, token in enumerate(tokens):
         top = [] if values is None else [(int(i), float(v)) for i, v in zip(ids[t], values[t])]
         entries.append(dict(logprob_entry(token, chosen[t], top), rank=int(ranks[t])))
     return entries
 
 
-__all__ = ["CompletionChunk", "ChoiceOutput", "RequestOutput", "logprob_entry", "prompt_logprob_entries"]
+__all__ = [
+    "CompletionChunk",
+    "ChoiceOutput",
+    "RequestOutput",
+    "logprob_entry",
+    "prompt_logprob_entries",
+    "ranked_entries",
+]

@@ -22,7 +22,7 @@ class Request:
         self.choices: List[Choice] = []
         self.closed = False  # output delivered (or failed / aborted)
         self.stop_ids: frozenset = frozenset()
-        self.prompt_logprobs: Optional[list] = None  # vLLM's prompt_logprobs entries (rank 0), set at admission
+        self.prompt_logprobs: Optional[list] = None  # vLLM's prompt_logprobs entries (rank 0), from its prefill
 
     def open_choices(self, eos_ids, tokenizer) -> None:
         """The n choices, and the ids that end one: EOS (unless ignore_eos) and stop_token_ids."""

@@ -28,9 +28,11 @@ from ..kv_cache import KVCacheManager, budget
 from ..masks import min_finite, prefill_mask
 from ..outputs import RoutedExperts
 from ..parallel.model_group import gather_vocab_logits
+from ..scoring import position_top_logprobs
 from ..token_packing import GroupedPacking
 from .config import EngineConfig
 from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, read_past, write_past
+from .outputs import ranked_entries
 from .scheduler import Scheduled, Scheduler, SchedulerOutput
 from .selector import select
 
@@ -61,6 +63,7 @@ class _Rows:
         self.write = read[:, self.width :]
         self.conv: Dict[int, Any] = {}
         self.recurrent: Dict[int, Any] = {}
+        self.keep_all = np.zeros(self.batch, dtype=bool)  # rows whose every position's logits are kept
         self.order = None  # decode rows: their indices in the runner's rows
         self.items: List[Scheduled] = []  # prefill chunks: the chunks and their sequences
         self.entries: List[_Prefill] = []
@@ -209,7 +212,7 @@ class ModelRunner:
         tokens = ops.asarray(rows.ids, "int64")
         if self.layout.cache_object:
             cache = self._paged_cache(rows)
-            kwargs.update(past_key_values=cache, logits_to_keep=1)
+            kwargs.update(past_key_values=cache, logits_to_keep=0 if rows.keep_all.any() else 1)
         else:
             width = rows.width
             kwargs.update(past_key_values=read_past(self.store, rows.read[:, :width]) if width else None)
@@ -229,7 +232,10 @@ class ModelRunner:
             if past_kv is None:
                 raise TypeError(f"{type(self.model).__name__} returned no past_key_values")
             write_past(self.store, past_kv, rows.write, rows.width)
-        return logits_of(output, ops)[:, -1], conv, recurrent, routed
+        logits = logits_of(output, ops)
+        seq, counts = rows.ids.shape[1], rows.new_valid.sum(axis=1)
+        every = {j: logits[j, seq - int(counts[j]) :] for j in map(int, np.flatnonzero(rows.keep_all))}
+        return logits[:, -1], conv, recurrent, routed, every
 
     def _paged_cache(self, rows: "_Rows") -> PagedCache:
         cache = PagedCache(self.store, rows.write, rows.read, rows.width, rows.conv, rows.recurrent)
@@ -241,12 +247,14 @@ class ModelRunner:
         """One forward over every group (``token_packing.GroupedPacking``): per group what
         ``_forward`` gives; None if it raised (each group then runs alone, so only what fails does)."""
         ops = self.ops
-        ends, at = [], 0
+        keep, spans, at = [], [], 0  # the packed rows whose logits come back; per row, its span of them
         for rows in groups:
-            counts = rows.new_valid.sum(axis=1)
-            ends.append(at + np.cumsum(counts) - 1)  # each row's last real token in the packed order
-            at += int(counts.sum())
-        step = GroupedPacking(ops, [rows.new_valid for rows in groups], np.concatenate(ends))
+            for j, count in enumerate(rows.new_valid.sum(axis=1)):
+                first = at if rows.keep_all[j] else at + int(count) - 1
+                spans.append((len(keep), len(keep) + at + int(count) - first))
+                keep.extend(range(first, at + int(count)))
+                at += int(count)
+        step = GroupedPacking(ops, [rows.new_valid for rows in groups], np.asarray(keep, dtype=np.int64))
         for group, rows in zip(step.groups, groups):
             group.cache = self._paged_cache(rows)
             group.mask = ops.asarray(rows.mask(self.dtype), self.dtype)
@@ -256,11 +264,13 @@ class ModelRunner:
             logits = logits_of(self._call(ops.asarray(ids, "int64"), past_key_values=step), ops)[:, -1]
         except Exception:
             return None
-        outputs, first = [], 0
+        outputs, row = [], 0
         for group, rows in zip(step.groups, groups):
-            picked = np.arange(first, first + rows.batch)
-            first += rows.batch
-            outputs.append((ops.take(logits, picked, 0), group.cache.conv_states, group.cache.recurrent_states, None))
+            own = spans[row : row + rows.batch]
+            row += rows.batch
+            last = ops.take(logits, np.asarray([end - 1 for _, end in own]), 0)
+            every = {j: logits[own[j][0] : own[j][1]] for j in map(int, np.flatnonzero(rows.keep_all))}
+            outputs.append((last, group.cache.conv_states, group.cache.recurrent_states, None, every))
         return outputs
 
     def _call(self, ids, **kwargs):
@@ -380,6 +390,7 @@ class ModelRunner:
         routes = any(item.sample and self._wants_routes(e) for item, e in zip(chunks, entries))
         rows = _Rows(ids, positions, past_valid, valid, read, routes)
         rows.items, rows.entries = chunks, entries
+        rows.keep_all = np.asarray([item.all_logits for item in chunks], dtype=bool)
         if entries[0].conv or entries[0].recurrent:  # rows after a past: every one has its state
             for name in ("conv", "recurrent"):
                 layers = getattr(entries[0], name)
@@ -421,9 +432,11 @@ class ModelRunner:
     def _chunks_done(self, rows: "_Rows", output, result: StepResult) -> list:
         """Keep each chunk's states; (entry, (1, V) logits, routing) of the prompts it completed (a
         resumed choice that caught up joins the rows, to decode its pending token next)."""
-        logits, conv, recurrent, routed = output
+        logits, conv, recurrent, routed, every = output
         b, done = rows.batch, []
         for j, (item, entry) in enumerate(zip(rows.items, rows.entries)):
+            if item.all_logits:
+                self._prompt_logprobs(entry.request, item, every[j])
             row = np.asarray([j])
             entry.conv = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in conv.items()}
             entry.recurrent = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in recurrent.items()}
@@ -436,6 +449,22 @@ class ModelRunner:
             elif entry.resume and item.start + item.count == len(entry.tokens()) - 1:
                 self._join(self.prefills.pop(item.key), entry.choices)
         return done
+
+    def _prompt_logprobs(self, request, item: Scheduled, logits) -> None:
+        """vLLM's ``prompt_logprobs`` of the chunk's prompt tokens from its own (count, V) logits:
+        position p scores token p + 1 (the last prompt position's logits choose the first token)."""
+        prompt = request.prompt
+        scored = min(item.start + item.count, len(prompt) - 1) - item.start
+        if item.start == 0:
+            request.prompt_logprobs = [None]
+        if scored <= 0:
+            return
+        logits = gather_vocab_logits(self.ops, self.model, logits[:scored])  # (every rank: a collective)
+        if not self.logprobs:
+            return
+        tokens = np.asarray(prompt[item.start + 1 : item.start + 1 + scored], dtype=np.int64)
+        found = position_top_logprobs(self.ops, logits, tokens, request.params.prompt_logprobs)
+        request.prompt_logprobs += ranked_entries(tokens.tolist(), *found)
 
     def _draw_first(self, entry: _Prefill, logits, routed, result: StepResult) -> None:
         """A prompt done: its choices draw their first tokens (n choices from the same logits); one

@@ -50,6 +50,8 @@ class Sequence:
         self.request = request
         self.choices = choices  # who draws from its logits: all n for a prompt, else its one choice
         self.resume = resume  # a preempted choice: recompute up to its pending token, then decode
+        # prompt logprobs come from the prompt's own forward: every position computed, none hit
+        self.all_logits = not resume and request.params.prompt_logprobs is not None
         self.prompt = np.asarray(request.prompt, dtype=np.int64)  # (compared with other prompts while it waits)
         self.prefill_end = self.num_tokens - 1 if resume else self.num_tokens
         self.num_computed_tokens = 0
@@ -91,6 +93,7 @@ class Scheduled:
     resume: bool = False
     sample: bool = False  # the step computes its last known token: the runner draws the next
     boundary: bool = False  # it ends at a state snapshot boundary: the runner keeps the state there
+    all_logits: bool = False  # a prompt chunk whose every position's logits give prompt logprobs
 
 
 @dataclass
@@ -115,7 +118,8 @@ class SchedulerOutput:
     def encode(self) -> dict:
         def items(scheduled):
             return [
-                [list(s.key), s.start, s.count, s.blocks, s.snapshot, s.resume, s.sample, s.boundary] for s in scheduled
+                [list(s.key), s.start, s.count, s.blocks, s.snapshot, s.resume, s.sample, s.boundary, s.all_logits]
+                for s in scheduled
             ]
 
         return {
@@ -263,7 +267,9 @@ class Scheduler:
         seq.scheduled = count
         end = start + count
         boundary = bool(self.snapshot_every) and end % self.snapshot_every == 0
-        item = Scheduled(seq.key, start, count, list(blocks), snapshot, seq.resume, end == seq.num_tokens, boundary)
+        item = Scheduled(
+            seq.key, start, count, list(blocks), snapshot, seq.resume, end == seq.num_tokens, boundary, seq.all_logits
+        )
         (out.decodes if seq.decoding else out.prefills).append(item)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -289,9 +295,10 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(seq.choices) > free:
                 break
-            if self._waits_for_prefix(seq):
+            if not seq.all_logits and self._waits_for_prefix(seq):
                 continue
-            allocation = self.kv.allocate_for(seq.key, seq.tokens()[: seq.prefill_end], new_tokens=budget)
+            tokens = seq.tokens()[: seq.prefill_end]
+            allocation = self.kv.allocate_for(seq.key, tokens, new_tokens=budget, lookup=not seq.all_logits)
             if allocation is None:
                 break  # FIFO: the blocks come back as running sequences finish
             self.waiting.remove(seq)

@@ -143,10 +143,14 @@ class KVCacheManager:
     def _snapshot_usable(self, num_blocks: int, block: int) -> bool:
         return self.snapshots.is_boundary(num_blocks) and self.snapshots.slot_of(block) is not None
 
-    def allocate_for(self, request_id, tokens, new_tokens: Optional[int] = None) -> Optional[Allocation]:
+    def allocate_for(
+        self, request_id, tokens, new_tokens: Optional[int] = None, lookup: bool = True
+    ) -> Optional[Allocation]:
         """Admit a sequence of ``tokens`` (the prompt; after a preemption, prompt + generated):
         share its longest cached prefix and give slots to the next ``new_tokens`` positions
-        (at most; None: all the rest). None, with nothing taken, if the pool cannot hold them."""
+        (at most; None: all the rest). None, with nothing taken, if the pool cannot hold them.
+        ``lookup=False``: compute every position (a request that wants each prompt position's
+        logits), though its blocks are still cached for later requests."""
         request_id = self._new_id(request_id)
         ids = checks.token_ids("tokens", tokens)
         if len(ids) == 0:
@@ -158,7 +162,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             hashes = self.prefix.block_hashes(ids)
             usable = self._snapshot_usable if self.hybrid else None
-            hit = self.prefix.find_longest_prefix(ids, hashes, usable=usable)
+            hit = self.prefix.find_longest_prefix(ids, hashes, usable=usable) if lookup else []
         computed = len(hit) * self.block_size
         remaining = len(ids) - computed
         scheduled = remaining if new_tokens is None else min(new_tokens, remaining)
