@@ -498,14 +498,16 @@ class Engine(EngineControl):
                 self._scheduler.update(scheduled, result.computed)
 
     def _forget(self, gone: set) -> None:
-        serials = {serial for serial, _ in gone}
+        """Requests whose every choice has ended leave ``_live`` (rank 0 once closed too; the other
+        ranks count the drops, since a preempted choice is in no runner while it waits)."""
         with self._cond:
-            for serial in serials:
+            for serial, index in gone:
                 request = self._live.get(serial)
-                if request is not None and (request.closed or self.rank != 0):
-                    held = self._runner.holds if self.rank != 0 else self._scheduler.holds
-                    if not any(held(c.key) for c in request.choices):
-                        del self._live[serial]
+                if request is None:
+                    continue
+                request.dropped.add(index)
+                if len(request.dropped) == len(request.choices) and (request.closed or self.rank != 0):
+                    del self._live[serial]
 
     def _request_of(self, admission: Admission) -> Request:
         if self.rank == 0:

@@ -22,6 +22,7 @@ class Request:
         self.choices: List[Choice] = []
         self.closed = False  # output delivered (or failed / aborted)
         self.stop_ids: frozenset = frozenset()
+        self.dropped: set = set()  # indices of its choices that have left the engine
         self.prompt_logprobs: Optional[list] = None  # vLLM's prompt_logprobs entries (rank 0), from its prefill
 
     def open_choices(self, eos_ids, tokenizer) -> None:
