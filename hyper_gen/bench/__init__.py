@@ -17,8 +17,10 @@
 - ``update``: ``update_weights`` with every tensor of a checkpoint vs ``load_model`` of it.
 - ``logprobs``: float32 rollout logprobs vs ``score()`` of the same tokens, against a float64 reference.
 - ``engine``: the paged engine: prefix caching on vs off, peak cache bytes vs live tokens, running
-  rows' latency while a long prompt is prefilled in chunks, a GRPO group vs generate and HF, and
-  what paging costs a decode step.
+  rows' latency while a long prompt is prefilled in chunks, a GRPO group vs generate and HF, what
+  paging costs a decode step, a long-context decode step vs generate's static cache, a mixed
+  workload's tokens/s, and output processing per token; ``--baseline PATH`` runs each scenario from
+  another checkout too and prints the two side by side.
 
 Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs|engine] ...`` (``loop`` when none is
 named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command> --help`` explains every flag
