@@ -17,8 +17,10 @@
 - ``update``: ``update_weights`` with every tensor of a checkpoint vs ``load_model`` of it.
 - ``logprobs``: float32 rollout logprobs vs ``score()`` of the same tokens, against a float64 reference.
 - ``engine``: the paged engine: prefix caching on vs off, peak cache bytes vs live tokens, running
-  rows' latency while a long prompt is prefilled in chunks, a GRPO group vs generate and HF, and
-  what paging costs a decode step.
+  rows' latency while a long prompt is prefilled in chunks, a GRPO group vs generate and HF, what
+  paging costs a decode step, a long-context decode step vs generate's static cache, a mixed
+  workload's tokens/s, and output processing per token; ``--baseline PATH`` runs each scenario from
+  another checkout too and prints the two side by side.
 - ``text``: the engine's output processing (incremental detokenization, stop strings) per generated
   token at 256 and 16,384 tokens: a cost that grows with the output would show as a ratio above 1.
 

@@ -15,13 +15,34 @@ backend at a time, in one run:
   num_return_sequences=8)`` on the same batch, and vs HF ``generate``.
 - ``step``: a decode step through the paged cache vs generate()'s dynamic cache, at batch 1 and 16
   (what paging costs a step), and where an engine step's time goes.
+- ``long``: 16 rows each with a 4096-token prompt decoding 64 tokens: the engine's median decode step
+  (stepped on this thread, over 64 steps of all 16 rows once every prompt is prefilled) vs
+  generate()'s static-cache step on the same batch (the median gap between its ``on_tokens`` calls: a
+  difference of two runs would carry the noise of a 65k-token prefill into a 64-step figure).
+- ``mixed``: ``chunked``'s workload (16 rows decoding 96 tokens each while a 4096-token prompt is
+  chunked in) as one workload: tokens/s of every token generated over the wall time from the first
+  submission to the last token, and the running rows' inter-token latency p50 / p99.
+- ``text``: output processing per generated token (``IncrementalText`` with the stop string "\\n\\n",
+  the demo model's tokenizer, random ids that cannot form the stop) over streams of 256 and 16,384
+  tokens, the same number of tokens at each length; no model.
+
+``--rows`` and ``--context`` size ``long`` and ``mixed``, ``--new-tokens`` ``long``, ``--text-lengths``
+``text`` (small values for a smoke run); the other scenarios keep the sizes above.
+
+``--baseline PATH`` runs each scenario again from another checkout (``git worktree add PATH REV``)
+in a subprocess and prints its numbers beside this tree's with the ratio (bench/baseline.py: how,
+and what reads as n/a); ``--json`` prints each scenario's numbers as one ``bench-engine-json:`` line,
+which is what a baseline run is read from.
 
 Greedy throughout; the host (CPU, ISA, threads) is printed, since ratios move between hosts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
+import math
 import threading
 import time
 
@@ -32,9 +53,11 @@ from hyper_gen.host import describe_host
 from hyper_gen.kv_cache.manager import DEFAULT_STATE_SNAPSHOT_BLOCKS
 from hyper_gen.models.loading import load_model
 
+from .baseline import JSON_PREFIX, Baseline, checkout
 from .models import SHAPES, make_checkpoint
 
-SCENARIOS = ("prefix", "memory", "chunked", "grpo", "step")
+SCENARIOS = ("prefix", "memory", "chunked", "grpo", "step", "long", "mixed", "text")
+WITHOUT_MODEL = ("text",)  # run once, before any backend's model is loaded
 
 
 def scenario_list(text: str) -> str:
@@ -49,7 +72,7 @@ def scenario_list(text: str) -> str:
 
 
 def add_parser(sub):
-    from .arguments import CACHE_DIR, add_command, backend_list, positive
+    from .arguments import CACHE_DIR, add_command, backend_list, positive, positive_list
 
     parser = add_command(sub, "engine", "the paged engine: prefix cache, memory, chunked prefill, GRPO")
     parser.add_argument("--shape", default="mid", choices=sorted(SHAPES), help="checkpoint shape")
@@ -77,7 +100,57 @@ def add_parser(sub):
         help="each engine's KV pool (the scenarios need ~130 MiB on the mid shape)",
     )
     parser.add_argument("--cache-dir", default=CACHE_DIR, help="where the random-weight checkpoint is written once")
+    parser.add_argument("--rows", type=positive, default=16, help="long and mixed: rows decoding together")
+    parser.add_argument(
+        "--context", type=positive, default=4096, help="long: each row's prompt; mixed: the prompt chunked in (tokens)"
+    )
+    parser.add_argument("--new-tokens", type=positive, default=64, help="long: tokens each row decodes")
+    parser.add_argument(
+        "--text-lengths",
+        type=positive_list,
+        default="256,16384",
+        help="text: generated tokens per stream, comma-separated; the others are compared with the first",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=checkout,
+        default=None,
+        metavar="PATH",
+        help="another checkout of hyper_gen (git worktree add PATH REV): each scenario is run from it too, "
+        "in a subprocess, and printed beside this tree's",
+    )
+    parser.add_argument(
+        "--baseline-timeout", type=positive, default=3600, help="seconds one baseline scenario may take"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="also print each scenario's numbers as one JSON line (what a baseline run is read from)",
+    )
     return parser
+
+
+# the flags a baseline run gets (those its bench/engine.py mentions): all but --baseline's own and --json
+FORWARDED = (
+    ("--shape", "shape"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens"),
+    ("--block-size", "block_size"),
+    ("--state-snapshot-blocks", "state_snapshot_blocks"),
+    ("--cache-memory-bytes", "cache_memory_bytes"),
+    ("--cache-dir", "cache_dir"),
+    ("--rows", "rows"),
+    ("--context", "context"),
+    ("--new-tokens", "new_tokens"),
+    ("--text-lengths", "text_lengths"),
+)
+
+
+def _forwarded(args) -> list:
+    flags = []
+    for flag, dest in FORWARDED:
+        value = getattr(args, dest)
+        flags.append((flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)))
+    return flags
 
 
 def _greedy(max_tokens, **kw):
@@ -138,6 +211,13 @@ def prefix(model, args, vocab, rng):
     print(f"  caching off: {off_rate:8.1f} tok/s  TTFT p50 {off_ttft * 1e3:8.1f} ms")
     print(f"  caching on:  {on_rate:8.1f} tok/s  TTFT p50 {on_ttft * 1e3:8.1f} ms")
     print(f"  -> throughput {on_rate / off_rate:.2f}x (bar 3x), TTFT p50 {off_ttft / on_ttft:.2f}x lower (bar 5x)")
+    return {
+        "prefix-cached tokens": hits,
+        "tok/s caching off": off_rate,
+        "TTFT p50 ms caching off": off_ttft * 1e3,
+        "tok/s caching on": on_rate,
+        "TTFT p50 ms caching on": on_ttft * 1e3,
+    }
 
 
 def memory(model, args, vocab, rng):
@@ -167,34 +247,78 @@ def memory(model, args, vocab, rng):
     ratio = peaks["used"] / peaks["live"]
     print(f"  peak bytes of live tokens:   {peaks['live'] / mib:8.2f} MiB  -> {ratio:.3f}x (bar 1.15x)")
     print(f"  a ragged cache's peak:       {peaks['ragged'] / mib:8.2f} MiB  -> {peaks['ragged'] / peaks['live']:.2f}x")
+    return {
+        "peak MiB blocks in use": peaks["used"] / mib,
+        "peak MiB live tokens": peaks["live"] / mib,
+        "blocks in use / live": ratio,
+        "peak MiB ragged cache": peaks["ragged"] / mib,
+    }
 
 
-def chunked(model, args, vocab, rng):
+ROW_PROMPT, ROW_NEW = 16, 96  # chunked / mixed: each decoding row's prompt and new tokens
+
+
+def _decode_while_prefilling(model, args, vocab, rng, rows: int, context: int) -> dict:
+    """``rows`` rows decoding ROW_NEW tokens each; once the first has 8, a ``context``-token prompt
+    (2 new tokens) arrives and is chunked in. Returns the wall time from the first submission to the
+    last token, every token generated, the rows' gaps between tokens from that arrival on, and the
+    long prompt's time to its first token."""
     with _engine(model, args) as engine:
-        rows = [engine.submit(rng.integers(10, vocab, 16).tolist(), _greedy(96)) for _ in range(16)]
-        stamps = [[] for _ in rows]
-        readers = [threading.Thread(target=_stamped, args=(s, t)) for s, t in zip(rows, stamps)]
+        start = time.perf_counter()
+        streams = [engine.submit(rng.integers(10, vocab, ROW_PROMPT).tolist(), _greedy(ROW_NEW)) for _ in range(rows)]
+        stamps = [[] for _ in streams]
+        readers = [threading.Thread(target=_stamped, args=(s, t)) for s, t in zip(streams, stamps)]
         for reader in readers:
             reader.start()
         while len(stamps[0]) < 8:  # the rows are decoding
             time.sleep(0.01)
         arrived = time.perf_counter()
-        long = engine.submit(rng.integers(10, vocab, 4096).tolist(), _greedy(2))
+        arrival = engine.submit(rng.integers(10, vocab, context).tolist(), _greedy(2))
         first = []
-        _stamped(long, first)
+        _stamped(arrival, first)
         for reader in readers:
             reader.join()
+        wall = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for s in streams + [arrival] for c in s.result().outputs)
     # the gaps between the rows' tokens from the long prompt's arrival to its first token, and after
-    gaps = np.concatenate([np.diff([t for t in s if t >= arrived]) for s in stamps])
-    p50, p99 = np.median(gaps), np.percentile(gaps, 99)
+    gaps = [np.diff([t for t in s if t >= arrived]) for s in stamps]
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    return dict(wall=wall, tokens=tokens, gaps=gaps, first=first[0] - arrived)
+
+
+def _p50_p99(gaps):
+    """(p50, p99) of ``gaps``; NaN when the rows finished before the long prompt arrived (tiny runs)."""
+    if not len(gaps):
+        return math.nan, math.nan
+    return float(np.median(gaps)), float(np.percentile(gaps, 99))
+
+
+def chunked(model, args, vocab, rng):
+    run = _decode_while_prefilling(model, args, vocab, rng, rows=16, context=4096)
+    gaps = run["gaps"]
+    p50, p99 = _p50_p99(gaps)
     print(
         f"chunked prefill: 16 rows decoding, one 4096-token prompt arrives (max_num_batched_tokens "
-        f"{args.max_num_batched_tokens}); its first token after {first[0] - arrived:.2f} s"
+        f"{args.max_num_batched_tokens}); its first token after {run['first']:.2f} s"
     )
     print(
         f"  running rows' inter-token latency p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms -> "
-        f"p99 {p99 / p50:.2f}x p50 (bar 3x); longest gap {gaps.max() * 1e3:.0f} ms"
+        f"p99 {p99 / p50:.2f}x p50 (bar 3x); longest gap {(gaps.max() if len(gaps) else math.nan) * 1e3:.0f} ms"
     )
+    return {"long prompt's first token s": run["first"], "ITL p50 ms": p50 * 1e3, "ITL p99 ms": p99 * 1e3}
+
+
+def mixed(model, args, vocab, rng):
+    run = _decode_while_prefilling(model, args, vocab, rng, rows=args.rows, context=args.context)
+    p50, p99 = _p50_p99(run["gaps"])
+    rate = run["tokens"] / run["wall"]
+    print(
+        f"mixed: {args.rows} rows decoding {ROW_NEW} tokens each while one {args.context}-token prompt is chunked in "
+        f"(max_num_batched_tokens {args.max_num_batched_tokens})"
+    )
+    print(f"  whole workload: {run['tokens']} tokens in {run['wall']:.2f} s -> {rate:8.1f} tok/s")
+    print(f"  running rows' inter-token latency p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")
+    return {"tok/s": rate, "ITL p50 ms": p50 * 1e3, "ITL p99 ms": p99 * 1e3}
 
 
 GRPO_PROMPTS, GRPO_N, GRPO_NEW = 16, 8, 32
@@ -242,16 +366,21 @@ def grpo(model, args, vocab, rng, hf_s=None):
     print(f"grpo: {GRPO_PROMPTS} prompts x n={GRPO_N}, 64 prompt tokens, {GRPO_NEW} new each ({tokens} tokens)")
     print(f"  engine:                      {tokens / wall:8.1f} tok/s")
     print(f"  generate(num_return_seq=8):  {tokens / gen_s:8.1f} tok/s  -> engine {gen_s / wall:.2f}x")
+    metrics = {"engine tok/s": tokens / wall, "generate(n=8) tok/s": tokens / gen_s}
     if hf_s is not None:
         print(f"  HF generate:                 {tokens / hf_s:8.1f} tok/s  -> engine {hf_s / wall:.2f}x")
+        metrics["HF generate tok/s"] = tokens / hf_s
+    return metrics
 
 
-def _engine_step_s(model, args, prompts, steps: int = 32) -> float:
+def _engine_step_s(model, args, prompts, steps: int = 32, max_tokens=None) -> float:
     """Median seconds of one engine step (a decode of every row, token choice included) once every
-    prompt is prefilled, the engine stepped on this thread as generate() runs on it."""
+    prompt is prefilled, the engine stepped on this thread as generate() runs on it. ``max_tokens``
+    (default ``steps + 8``) must leave every row decoding through the timed steps, counting the
+    tokens the first rows decode while the others are still being prefilled."""
     engine = _engine(model, args).start(background=False)
     for prompt in prompts:
-        engine.submit(prompt, _greedy(steps + 8))
+        engine.submit(prompt, _greedy(steps + 8 if max_tokens is None else max_tokens))
     while engine._waiting or engine._scheduler.waiting or engine._runner.prefills:
         engine.step()
     timings = []
@@ -277,39 +406,165 @@ def _generate_step_s(model, prompts, steps: int = 32) -> float:
     return (best[0] - best[1]) / steps
 
 
+def _generate_static_step_s(model, prompts, new: int) -> float:
+    """Median seconds of one generate() decode step with a static cache: the gaps between its
+    ``on_tokens`` calls (each after a step, the prefill's token first) over one run of ``new`` tokens."""
+    stamps = []
+    generate(
+        model, np.asarray(prompts), max_new_tokens=new, eos_token_id=None, do_sample=False,
+        cache_implementation="static", on_tokens=lambda *_: stamps.append(time.perf_counter()),
+    )  # fmt: skip
+    return float(np.median(np.diff(stamps)))
+
+
+@contextlib.contextmanager
+def _compiled_from_first(model):
+    """MindSpore: decode steps compiled from the first, as generate's static-cache steps are (the
+    comparison is of the caches); put back after, for the scenarios that follow."""
+    if not hasattr(model, "decode_compile_after"):
+        yield
+        return
+    saved, model.decode_compile_after = model.decode_compile_after, 1
+    try:
+        yield
+    finally:
+        model.decode_compile_after = saved
+
+
 def step(model, args, vocab, rng):
     print("step: one decode step (256-token prompts), the paged engine's vs generate()'s with a dynamic cache")
-    if hasattr(model, "decode_compile_after"):  # MindSpore: both steps compiled from the first, as generate's
-        model.decode_compile_after = 1  # static-cache steps are; the comparison is of the caches
-    for rows in (1, 16):
-        prompts = [rng.integers(10, vocab, 256).tolist() for _ in range(rows)]
-        paged, plain = _engine_step_s(model, args, prompts), _generate_step_s(model, prompts)
-        print(
-            f"  batch {rows:2d}: engine step {paged * 1e3:7.2f} ms, generate step {plain * 1e3:7.2f} ms "
-            f"-> paging costs {paged / plain - 1:+.1%} (bar +10%)"
+    metrics = {}
+    with _compiled_from_first(model):
+        for rows in (1, 16):
+            prompts = [rng.integers(10, vocab, 256).tolist() for _ in range(rows)]
+            paged, plain = _engine_step_s(model, args, prompts), _generate_step_s(model, prompts)
+            print(
+                f"  batch {rows:2d}: engine step {paged * 1e3:7.2f} ms, generate step {plain * 1e3:7.2f} ms "
+                f"-> paging costs {paged / plain - 1:+.1%} (bar +10%)"
+            )
+            metrics.update({f"engine step ms b{rows}": paged * 1e3, f"generate step ms b{rows}": plain * 1e3})
+    return metrics
+
+
+def long(model, args, vocab, rng):
+    from hyper_gen.inputs import ModelLimits
+
+    rows, context, new = args.rows, args.context, args.new_tokens
+    # the first rows decode while the later ones are prefilled: room for that beyond the timed steps
+    prefill_steps = math.ceil(rows * context / max(1, args.max_num_batched_tokens - rows)) + rows
+    max_tokens = new + prefill_steps + 8
+    limit = ModelLimits.of(model).context
+    if limit is not None and context + max_tokens > limit:
+        raise SystemExit(
+            f"hyper-gen bench engine: long needs {context + max_tokens} positions ({context} prompt + {max_tokens}), "
+            f"the {args.shape} checkpoint has {limit} (max_position_embeddings): lower --context"
         )
+    prompts = [rng.integers(10, vocab, context).tolist() for _ in range(rows)]
+    with _compiled_from_first(model):
+        paged = _engine_step_s(model, args, prompts, steps=new, max_tokens=max_tokens)
+        static = _generate_static_step_s(model, prompts, new)
+    print(f"long: {rows} rows x {context}-token prompts decoding {new} tokens; median decode step")
+    print(
+        f"  engine step {paged * 1e3:8.2f} ms, generate() static-cache step {static * 1e3:8.2f} ms "
+        f"-> {paged / static:.2f}x (bar 1.05x)"
+    )
+    return {"engine step ms": paged * 1e3, "generate static step ms": static * 1e3, "engine/generate": paged / static}
+
+
+TEXT_STOPS = ["\n\n"]
+
+
+def _stopless_ids(tokenizer, stops) -> np.ndarray:
+    """The token ids that decode to text without any stop string's first character (so no stream
+    of them ends early) and are not special (those decode to nothing)."""
+    special = set(tokenizer.all_special_ids)
+    firsts = {stop[0] for stop in stops}
+    ids = [
+        i
+        for i in range(len(tokenizer))
+        if i not in special and not firsts & set(tokenizer.decode([i], skip_special_tokens=True))
+    ]
+    return np.asarray(ids)
+
+
+def _text_stream_s(tokenizer, stops, ids) -> float:
+    """Seconds to process ``ids`` as the engine does a choice's tokens: one ``update`` with the
+    choice's whole (growing) token list per token, then ``finish``."""
+    from hyper_gen.engine.detokenize import IncrementalText
+
+    start = time.perf_counter()
+    output, seen = IncrementalText(tokenizer, stops), []
+    for token in ids:
+        seen.append(token)
+        if output.update(seen)[1]:
+            raise RuntimeError("a stop string appeared in ids drawn to avoid one")
+    output.finish()
+    return time.perf_counter() - start
+
+
+def text(args, rng):
+    from transformers import AutoTokenizer
+
+    from hyper_gen.demo import demo_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    ids = _stopless_ids(tokenizer, TEXT_STOPS)
+    lengths, most = args.text_lengths, max(args.text_lengths)
+    _text_stream_s(tokenizer, TEXT_STOPS, rng.choice(ids, min(lengths)).tolist())  # warm-up
+    print(f"text: output processing (IncrementalText, stop strings {TEXT_STOPS!r}, the demo tokenizer) per token")
+    metrics, first = {}, None
+    for length in lengths:
+        streams = max(1, most // length)  # the same number of tokens at every length
+        seconds = sum(_text_stream_s(tokenizer, TEXT_STOPS, rng.choice(ids, length).tolist()) for _ in range(streams))
+        per_token = seconds / (streams * length)
+        first = per_token if first is None else first
+        line = f"  {length:6d} tokens: {per_token * 1e6:9.3f} us/token ({streams} stream{'s' if streams > 1 else ''})"
+        metrics[f"us/token at {length}"] = per_token * 1e6
+        if length != lengths[0]:
+            line += f" -> {per_token / first:.2f}x that at {lengths[0]} (bar 1.2x)"
+            metrics[f"{length}/{lengths[0]} per token"] = per_token / first
+        print(line)
+    return metrics
 
 
 def run_engine(args):
     scenarios = args.scenarios.split(",")
-    path = make_checkpoint(args.shape, args.cache_dir)
-    vocab = SHAPES[args.shape]["vocab_size"]
+    baseline = Baseline(args.baseline, args.baseline_timeout) if args.baseline else None
     print(describe_host())
     print(
         f"shape {args.shape}; block_size {args.block_size}; max_num_batched_tokens {args.max_num_batched_tokens}; "
         f"state_snapshot_blocks {args.state_snapshot_blocks}"
     )
-    hf_s = hf_grpo_s(path, vocab) if "grpo" in scenarios else None
+    if baseline is not None:
+        print(baseline.describe())
+    flags = _forwarded(args)
+
+    def report(backend, name, metrics):
+        if args.json:
+            print(JSON_PREFIX + json.dumps({"backend": backend, "scenario": name, "metrics": metrics}), flush=True)
+        if baseline is not None:
+            baseline.compare(name, backend, flags, metrics)
+
+    for name in [s for s in scenarios if s in WITHOUT_MODEL]:
+        print(f"== {name} (no model)")
+        report(None, name, globals()[name](args, np.random.default_rng(0)))
+    with_model = [s for s in scenarios if s not in WITHOUT_MODEL]
+    if not with_model:
+        return
+    path = make_checkpoint(args.shape, args.cache_dir)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    hf_s = hf_grpo_s(path, vocab) if "grpo" in with_model else None
     for backend in args.backends.split(","):
         print(f"== {backend}")
         model = load_model(path, backend=backend, dtype="float32")
-        for name in scenarios:
+        for name in with_model:
             gc.collect()  # what the scenario before left is not collected inside this one's timings
             rng = np.random.default_rng(0)
             if name == "grpo":
-                grpo(model, args, vocab, rng, hf_s)
+                metrics = grpo(model, args, vocab, rng, hf_s)
             else:
-                globals()[name](model, args, vocab, rng)
+                metrics = globals()[name](model, args, vocab, rng)
+            report(backend, name, metrics)
 
 
 __all__ = ["add_parser", "run_engine"]

@@ -26,6 +26,21 @@ from hyper_gen.models.loading import load_model
 from hyper_gen.parallel.launcher import host_ops, init_distributed
 
 SHAPES = {
+    # hidden 64, 4 layers (3 Gated DeltaNet, then attention), vocab 1k: smoke runs and tests
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        intermediate_size=128,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+    ),
     # hidden 512, 8 layers, vocab 32k
     "mid": dict(
         hidden_size=512,
