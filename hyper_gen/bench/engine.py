@@ -251,7 +251,7 @@ def _engine_step_s(model, args, prompts, steps: int = 32) -> float:
     engine = _engine(model, args).start(background=False)
     for prompt in prompts:
         engine.submit(prompt, _greedy(steps + 8))
-    while engine._waiting or engine._scheduler.waiting or engine._runner.prefills:
+    while engine.stats()["waiting"] or engine._scheduler.waiting or engine._runner.prefills:
         engine.step()
     timings = []
     for _ in range(steps):
