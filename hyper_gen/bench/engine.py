@@ -381,7 +381,7 @@ def _engine_step_s(model, args, prompts, steps: int = 32, max_tokens=None) -> fl
     engine = _engine(model, args).start(background=False)
     for prompt in prompts:
         engine.submit(prompt, _greedy(steps + 8 if max_tokens is None else max_tokens))
-    while engine._waiting or engine._scheduler.waiting or engine._runner.prefills:
+    while engine.stats()["waiting"] or engine._scheduler.waiting or engine._runner.prefills:
         engine.step()
     timings = []
     for _ in range(steps):

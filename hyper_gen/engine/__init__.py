@@ -1,8 +1,9 @@
 """In-flight batching engine: per-request sampling and a thread-safe, async-friendly request API.
 
-``Engine`` (engine.py) owns the model on one thread and keeps a ragged batch (batch.py) that
-requests join and leave at every step, with the cache and scheduler settings of an ``EngineConfig``
-(config.py, vLLM's names); ``SamplingParams`` (params.py) are vLLM's per-request
+``Engine`` (engine.py) is the facade over one ``EngineCore`` (core.py), which applies every call
+as a message (messages.py) at a step boundary and steps a paged batch that requests join and leave
+at every step, with the cache and scheduler settings of an ``EngineConfig`` (config.py, vLLM's
+names); ``SamplingParams`` (params.py) are vLLM's per-request
 settings; streams (stream.py) carry ``CompletionChunk``s to any thread or event loop and end in
 a ``RequestOutput`` (outputs.py). The OpenAI server (``hyper_gen.server``) and the offline JSONL
 job (``hyper-gen generate --input``) run on it.

@@ -8,11 +8,12 @@ the text, a cancel, an abort), the scheduler's output (``scheduled``: the step's
 prefill chunks with the blocks they write, and what the runner applies before them), whether the
 engine is paused (``hold``: no forward this step, the rows keep their cache), a weight update to
 apply (``update``: its version and tensor names, which every rank checks against its own
-``update_weights`` call; control.py) and whether to shut down. The tokens follow from the
-gathered logits, which are the same on every rank. The plan travels as UTF-8 JSON through
-``broadcast_text`` (int32 broadcasts, which every backend has); an empty plan is one 4-byte
-broadcast, so a decode step adds one small collective. While rank 0 has nothing to do it sends
-an empty plan every heartbeat, so the others never wait in one collective past the timeout.
+``update_weights`` call; weight_sync.py), a pool to release or allocate (``sleep``) and whether
+to shut down. The tokens follow from the gathered logits, which are the same on every rank. The
+plan travels as UTF-8 JSON through ``broadcast_text`` (int32 broadcasts, which every backend has);
+an empty plan is one 4-byte broadcast, so a decode step adds one small collective. While rank 0
+has nothing to do it sends an empty plan every heartbeat, so the others never wait in one
+collective past the timeout.
 """
 
 from __future__ import annotations

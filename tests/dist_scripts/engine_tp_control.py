@@ -27,7 +27,7 @@ tokenizer = AutoTokenizer.from_pretrained(path)
 engine = Engine(model, tokenizer, max_batch_size=3)
 rank = engine.rank
 steps, tokens = [], {}  # every executed plan: (hold, rows after it); each choice's tokens when last seen
-execute = engine._execute
+execute = engine._core.execute  # the one function that applies a plan, on every rank
 
 
 sleeps = []  # every sleep / wake_up plan this rank ran: (asleep asked, is_sleeping after, pool allocated after)
@@ -43,7 +43,7 @@ def traced(plan):
         tokens[f"{c.request.serial}:{c.index}"] = list(c.token_ids)
 
 
-engine._execute = traced
+engine._core.execute = traced
 
 
 def say(label, value):
