@@ -42,6 +42,7 @@ from hyper_gen.models.arrays import round_to
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import GatedDeltaNetShard
 from hyper_gen.parallel.context_parallel import CPStep
+from hyper_gen.token_packing import GroupedPacking
 
 CHUNK = 64  # Gated DeltaNet prefill chunk, as HF/FLA
 _solve_lower = ops.MatrixTriangularSolve(lower=True)
@@ -241,6 +242,8 @@ class GatedDeltaNet(nn.Cell):
         return cp_step.relay_state(lambda state: chunk_scan(terms, state), ops.zeros(terms["shape"], terms["dtype"]))
 
     def construct(self, x, b, s, cache, cp_step=None, packing=None):
+        if isinstance(packing, GroupedPacking):
+            return self._construct_groups(x, packing)
         n = b * s
         sharded = cp_step is not None and cp_step.sharded
         if packing is None and cache.seq_length == 0 and cache.prompt_mask is not None:
@@ -255,6 +258,42 @@ class GatedDeltaNet(nn.Cell):
         mixed, z_rows, beta, a = take_split(projected, self.split_sizes)
         if packing is None:
             z = z_rows
+        out = self._mix(mixed, beta, a, b, s, cache, cp_step)
+        if packing is not None:  # the gated norm and out_proj on the real rows
+            out = packing.pack(out.reshape(n, self.value_dim))
+        return gated_output(out, z, self.num_v_heads, self.gated_norm_eps, self.out_t, x.dtype, self.acc)
+
+    def _construct_groups(self, x, step: GroupedPacking):
+        """A grouped step (``token_packing.GroupedPacking``): the projections and the gated norm over
+        every packed row, each group's conv and delta rule on its own rows (``_mix_group``)."""
+        projected = matmul(x, self.in_proj_t)
+        z = take(projected, -1, self.conv_dim, self.conv_dim + self.value_dim)
+        out = step.map(projected, self._mix_group)
+        return gated_output(out, z, self.num_v_heads, self.gated_norm_eps, self.out_t, x.dtype, self.acc)
+
+    def _mix_group(self, group, rows):
+        """A group's (batch, seq, projection columns) rows through the core its own forward runs:
+        one token a row after a state, the decode step's (``delta_step``); else the sequence's
+        (``_mix``). (batch, seq, value_dim)."""
+        b, s, cache = group.batch, group.seq, group.cache
+        states = self.decode_states(cache) if s == 1 else None
+        if states is not None:
+            mixed, _, beta, a = split_whole(rows.reshape(b, -1), self.split_sizes)
+            taps_sum = ones((b, 1, self.kernel), self.conv_t.dtype)
+            out, conv_state, state = delta_step(
+                self.step_sizes, mixed, beta, a, *states, self.conv_t, taps_sum, self.a, self.dt_bias, self.l2_eps
+            )
+            cache.conv_states[self.layer_idx], cache.recurrent_states[self.layer_idx] = conv_state, state
+            return out.reshape(b, 1, self.value_dim)
+        mixed, _, beta, a = take_split(rows.reshape(b * s, -1), self.split_sizes)
+        return self._mix(mixed, beta, a, b, s, cache, None).reshape(b, s, self.value_dim)
+
+    def _mix(self, mixed, beta, a, b, s, cache, cp_step):
+        """The conv and the delta rule over (B * S) rows of conv channels, beta and decay logits,
+        through the cache's states: (B * S, nv, Dv); (B, S, nv, Dv) in a sharded context-parallel
+        prefill."""
+        n = b * s
+        sharded = cp_step is not None and cp_step.sharded
         mixed = mixed.reshape(b, s, self.conv_dim)
         if sharded:
             mixed = self._conv_context_parallel(mixed, cp_step, cache)
@@ -293,21 +332,29 @@ class GatedDeltaNet(nn.Cell):
             out_rows = out_rows + np.arange(s)[None, :, None]  # (B, S, nv)
             out = gather_rows(out.reshape(-1, dv), out_rows, (n, nv, dv))
         cache.recurrent_states[self.layer_idx] = state
-        if packing is not None:  # the gated norm and out_proj on the real rows
-            out = packing.pack(out.reshape(n, nv * dv))
-        return gated_output(out, z, nv, self.gated_norm_eps, self.out_t, x.dtype, self.acc)
+        return out
 
 
 def delta_step_rows(
     sizes, x, conv_state, state, eps, in_proj_t, conv_t, taps_sum, a, dt_bias, out_t, l2_eps, gated_eps
 ):
     """One decode token of a Gated DeltaNet mixer on (B, hidden) rows, its input RMSNorm included:
-    (partial output, new conv state, new recurrent state). The conv is one (B, kernel, channels)
-    window times the taps, summed over the window by a product with ``taps_sum`` (ones: faster than
-    a sum over axis 1); the delta rule is ``recurrent_step``."""
+    (partial output, new conv state, new recurrent state); ``delta_step`` between the projections."""
     conv_dim, value_dim, nk, nv, dk, dv, acc = sizes
-    b = x.shape[0]
     mixed, z, beta, a_logits = split_whole(matmul(rms_norm(x, eps), in_proj_t), (conv_dim, value_dim, nv, nv))
+    out, new_conv, state = delta_step(
+        sizes, mixed, beta, a_logits, conv_state, state, conv_t, taps_sum, a, dt_bias, l2_eps
+    )
+    return gated_output(out, z, nv, gated_eps, out_t, x.dtype, acc), new_conv, state
+
+
+def delta_step(sizes, mixed, beta, a_logits, conv_state, state, conv_t, taps_sum, a, dt_bias, l2_eps):
+    """One decode token's conv and delta rule from (B, channels) conv inputs and (B, nv) beta and
+    decay logits: (output (B, nv, 1, Dv), new conv state, new recurrent state). The conv is one
+    (B, kernel, channels) window times the taps, summed over the window by a product with
+    ``taps_sum`` (ones: faster than a sum over axis 1); the delta rule is ``recurrent_step``."""
+    conv_dim, value_dim, nk, nv, dk, dv, acc = sizes
+    b = mixed.shape[0]
     window = ops.concat([mint.transpose(conv_state, 1, 2), mixed.reshape(b, 1, conv_dim)], 1)  # (B, kernel, C)
     # a contiguous copy: the next step's input (compile.jitted). (Concatenating conv_state[:, :, 1:]
     # with the new column instead rounds float64 to float32 precision in a graph, ~1e-7, when the
@@ -324,4 +371,4 @@ def delta_step_rows(
     g = mul(softplus(add(cast(a_logits, acc), dt_bias)), a)  # the log decay
     q, k, v = q.reshape(b, nv, 1, dk), k.reshape(b, nv, 1, dk), v.reshape(b, nv, 1, dv)
     out, state = recurrent_step(q, k, v, g.reshape(b, nv, 1, 1), beta.reshape(b, nv, 1, 1), state)
-    return gated_output(out, z, nv, gated_eps, out_t, x.dtype, acc), new_conv, state
+    return out, new_conv, state

@@ -35,6 +35,7 @@ from hyper_gen.backends.mindspore.weights import Weights
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
 from hyper_gen.models.qwen3_5.shards import AttentionShard, FusedExperts, MLPShard, MoEShard
 from hyper_gen.parallel.context_parallel import CPStep
+from hyper_gen.token_packing import GroupedPacking
 
 
 def rotary_tables(position_ids, inv_freq, dtype):
@@ -101,12 +102,40 @@ class GatedAttention(nn.Cell):
         return self.qkv_t, self.eps, self.qk_norm, self.rotate
 
     def construct(self, x, b, s, cos, sin, attention_mask, cache, cp_step=None, packing=None):
+        projected = matmul(x, self.qkv_t)
+        if isinstance(packing, GroupedPacking):  # each group's rows attend on their own
+            out = packing.map(projected, self._mix_group)
+            return matmul(out, self.o_t)
+        if packing is not None:
+            projected = packing.unpack(projected)
+        out = self._mix(projected, b, s, cos, sin, attention_mask, cache, cp_step)
+        if packing is not None:
+            out = packing.pack(out)
+        return matmul(out, self.o_t)
+
+    def _mix_group(self, group, rows):
+        """A grouped step's group (``token_packing.PackedGroup``): its (batch, seq, qkv columns) rows
+        through the core its own forward runs (one token a row: the decode step's) -> (batch, seq,
+        nh * D). ``rows`` are the projection of the input norm's rows, as in ``attention_pre_rows``."""
+        b, s = group.batch, group.seq
+        if s == 1:
+            nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            qk, v, gate = split_whole(rows.reshape(b, -1), self.split_sizes)
+            qk = norm_and_rotate(
+                qk.reshape(b, nh + nkv, d), self.eps, self.qk_norm, self.rotate, group.cos, group.sin, self.acc
+            )
+            q, k = mint.split(qk, (nh, nkv), 1)
+            q, k, v = q.reshape(b, nkv, nh // nkv, d), k.reshape(b, nkv, 1, d), v.reshape(b, nkv, 1, d)
+            out = self.attend_one(q, k, v, group.mask, group.cache, None, rows.dtype)
+            return product(out, sigmoid(gate)).reshape(b, 1, -1)
+        out = self._mix(rows.reshape(b * s, -1), b, s, group.cos, group.sin, group.mask, group.cache, None)
+        return out.reshape(b, s, -1)
+
+    def _mix(self, projected, b, s, cos, sin, attention_mask, cache, cp_step):
+        """(B * S, qkv columns) of the projection -> (B * S, nh * D) gated attention output."""
         n = b * s
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         heads, group = nh + nkv, nh // nkv
-        projected = matmul(x, self.qkv_t)
-        if packing is not None:
-            projected = packing.unpack(projected)
         qk, v, gate = take_split(projected, self.split_sizes)
         qk = norm_and_rotate(qk.reshape(n, heads, d), self.eps, self.qk_norm, self.rotate, cos, sin, self.acc)
         # head-major (B, heads, S, D) copies of the token-major rows by Gather (gather_rows); GQA
@@ -128,15 +157,12 @@ class GatedAttention(nn.Cell):
             attention_mask = attention_mask[..., : cp_step.layout.width]
         t = keys.shape[2]
         scores = add(bmm(q, keys, tb=True).reshape(b, nkv, group, s, t), attention_mask[:, :, None])
-        probs = cast(softmax(cast(scores, self.acc), -1), x.dtype)
+        probs = cast(softmax(cast(scores, self.acc), -1), projected.dtype)
         out = bmm(probs.reshape(b, nkv, group * s, t), values)
         # token-major again: row (b, head, position) of the (B, nh, S, D) output
         out_rows = (np.arange(b)[:, None, None] * nh + np.arange(nh)[None, None, :]) * s
         out = gather_rows(out.reshape(b * nh * s, d), out_rows + np.arange(s)[None, :, None], (n, nh * d))
-        out = product(out, sigmoid(gate))
-        if packing is not None:
-            out = packing.pack(out)
-        return matmul(out, self.o_t)
+        return product(out, sigmoid(gate))
 
     def attend_one(self, q, k, v, attention_mask, cache, cp_step, dtype):
         """One decode token's attention over the cache (after ``attention_pre_rows``): q

@@ -37,7 +37,7 @@ from hyper_gen.parallel.groups import shard_groups
 from hyper_gen.parallel.rank_sum import RankSum
 from hyper_gen.parallel.sharded_model import set_parallel, whole_vocabulary
 from hyper_gen.parallel.tp_plan import TPPlan
-from hyper_gen.token_packing import TokenPacking
+from hyper_gen.token_packing import GroupedPacking, TokenPacking
 
 
 class DecoderLayer(nn.Cell):
@@ -64,8 +64,9 @@ class DecoderLayer(nn.Cell):
         """A one-token decode step runs the layer's decode blocks (``decode.layer_step``), jitted if
         ``compiled`` (the model's ``CompileGate``); a sequence, or a one-token forward without a
         state (a one-token prompt's Gated DeltaNet, a context-parallel prefill), the mixer's and
-        the layers.MLP's ``construct``."""
-        if s == 1 and (cp_step is None or cp_step.decode):
+        the layers.MLP's ``construct``; a grouped step (``packing`` a ``GroupedPacking``) the latter,
+        every group's own core inside the mixer."""
+        if s == 1 and (cp_step is None or cp_step.decode) and not isinstance(packing, GroupedPacking):
             out = decode.layer_step(self, x, b, cos, sin, attention_mask, cache, cp_step, compiled)
             if out is not None:
                 return out
@@ -94,6 +95,7 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Cell):
     """
 
     supports_cache_object = True
+    supports_grouped_step = True  # construct(past_key_values=GroupedPacking): several row groups in one forward
 
     def __init__(self, shard: ModelShard, weights: Weights, group=None, cp_plan: CPPlan = None, cp_group=None):
         super().__init__()
@@ -154,6 +156,8 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Cell):
         """Contract call (docs/model_contract.md). Without a cache the forward is cacheless (a
         throwaway DynamicCache); without position ids / mask, positions continue from the cache
         and the mask is causal with no padding."""
+        if isinstance(past_key_values, GroupedPacking):
+            return self._construct_groups(input_ids, past_key_values)
         b, s = input_ids.shape
         cache = past_key_values
         if cache is None:
@@ -191,6 +195,22 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Cell):
         # (a prefill's last row is a view: a new graph key)
         logits = block(layers.head_rows, compiled=kept == 1 and compiled)(x, self.eps, self.norm, *self.lm_head)
         return {"logits": whole_vocabulary(self, logits, MindSporeOps()).reshape(b, kept, -1)}
+
+    def _construct_groups(self, input_ids, step: GroupedPacking):
+        """One forward over several groups of rows (``token_packing.GroupedPacking``): the packed
+        (1, N) tokens through every row-wise block once, each group's mixer cores on its own rows
+        (never compiled: the graphs are one-token steps of one batch); the logits of the packed
+        rows ``step.keep``, (len(keep), 1, V)."""
+        if self.context_parallel is not None:  # (a sharded prefill's rows are split over the ranks)
+            raise ValueError("a context-parallel model takes no grouped step: run a forward a group")
+        x = self.embed(input_ids)
+        for group in step.groups:
+            group.cos, group.sin = layers.rotary_tables(group.positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer.construct(x, None, None, None, None, None, None, None, step)
+        x = ops.gather(x, Tensor(np.asarray(step.keep, np.int32)), 0)
+        logits = layers.head_rows(x, self.eps, self.norm, *self.lm_head)
+        return {"logits": whole_vocabulary(self, logits, MindSporeOps()).reshape(len(step.keep), 1, -1)}
 
 
 def load(
