@@ -104,7 +104,9 @@ def test_every_weight_equals_a_fresh_load(backend, kind, dtype, moe_paths, tmp_p
     # and a second full update (the trainer's next step) on top of the first
     newer = perturbed(checkpoint_tensors(path), seed=2)
     update_weights(model, newer)
-    assert_same_model(model, load_model(save_like(path, newer, tmp_path / "newer"), backend=backend, dtype=dtype))
+    # (plain kernels on both sides: a timed kernel plan may choose other widths under load, which round apart)
+    fresh = load_model(save_like(path, newer, tmp_path / "newer"), backend=backend, dtype=dtype, kernels="plain")
+    assert_same_model(model, fresh)
 
 
 @pytest.mark.parametrize("backend", SLOW_ON_MINDSPORE)
