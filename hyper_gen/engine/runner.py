@@ -110,11 +110,6 @@ class ModelRunner:
     def __len__(self) -> int:
         return len(self.rows) + len(self.prefills)
 
-    def holds(self, key) -> bool:
-        return any(row.key == key for row in self.rows) or any(
-            c.key == key for p in self.prefills.values() for c in p.choices
-        )
-
     def check_routes(self) -> RoutedExperts:
         """The recorder of the model's router choices (ValueError: the model reports no MoE routing)."""
         return RoutedExperts(self.ops, self.model)

@@ -207,9 +207,6 @@ class Scheduler:
     def num_running_choices(self) -> int:
         return sum(len(seq.choices) for seq in self.running)
 
-    def holds(self, key) -> bool:
-        return any(c.key == key for seq in (*self.waiting, *self.running) for c in seq.choices)
-
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out, self._next = self._next, SchedulerOutput()
@@ -342,9 +339,10 @@ class Scheduler:
     def update(self, out: SchedulerOutput, computed: set) -> None:
         """After the runners ran ``out`` (``computed``: the keys whose forward succeeded): cache
         the blocks they filled and fork the prompts done for n choices."""
+        running = {seq.key: seq for seq in self.running}  # (one lookup a row, not a scan)
         for prefill, items in ((False, out.decodes), (True, out.prefills)):
             for item in items:
-                seq = self._running(item.key)
+                seq = running.get(item.key)
                 if seq is None or item.key not in computed:
                     continue
                 end = item.start + item.count
@@ -352,12 +350,6 @@ class Scheduler:
                     self._cache(seq, end)
                 if item.sample and not seq.single:
                     self._fork(seq)
-
-    def _running(self, key) -> Optional[Sequence]:
-        for seq in self.running:
-            if seq.key == key:
-                return seq
-        return None
 
     def _cache(self, seq: Sequence, end: int) -> None:
         wanted = [end] if self.snapshot_every and end % self.snapshot_every == 0 else []
