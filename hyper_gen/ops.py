@@ -68,6 +68,13 @@ class Ops(Protocol):
     def gather_slots(self, pool: Tensor, slots: np.ndarray) -> Tensor: ...
     def write_slots(self, pool: Tensor, slots: np.ndarray, values: Tensor) -> None: ...
 
+    # attention over the pool in pieces of at most ``paged_columns`` columns (None: the backend
+    # attends over gathered K/V, ``gather_slots``): per piece its rows' (output, log-sum-exp) by
+    # ``partial`` (the port's), merged; ``pieces`` from ``engine.kv_store.attention_pieces``
+    paged_columns: Optional[int]
+
+    def paged_attention(self, query: Tensor, pool_k: Tensor, pool_v: Tensor, pieces: list, partial) -> Tensor: ...
+
     # execution
     def no_grad(self) -> ContextManager: ...
     # hand memory freed by dropped tensors back to the device (a caching allocator keeps it otherwise)

@@ -194,9 +194,10 @@ def test_a_budget_smaller_than_a_block_is_refused(root):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens(root, backend, one_torch_thread):
-    """A 300-token row and three 5-token rows: the step splits them in two forwards by length (one
-    forward would gather every short row padded to 300 positions); tokens are generate()'s, and the
-    MoE routing of each row comes back in its own order."""
+    """A 300-token row and three 5-token rows: torch's attention reads the pool in pieces and the
+    short rows sit out the long row's (no padding to 300 positions); MindSpore, which attends over
+    gathered K/V, splits the step in two groups by length. Tokens are generate()'s, and the MoE
+    routing of each row comes back in its own order."""
     from hyper_gen.engine import runner
 
     assert [g.tolist() for g in runner.length_groups(np.array([5, 3000, 6, 5]))] == [[0, 3, 2], [1]]
@@ -206,14 +207,27 @@ def test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens(root, 
     rng = np.random.default_rng(4)
     prompts = [rng.integers(8, VOCAB, n).tolist() for n in (5, 300, 6, 5)]
     with Engine(model, enable_prefix_caching=False) as engine:
-        engine._runner.split_padding = 256  # (the tiny model's context is 512 positions)
-        decodes, forward = [], engine._runner._decode_rows
-        engine._runner._decode_rows = lambda rows, lengths, routes: (
-            decodes.append(len(rows)) or forward(rows, lengths, routes)
-        )
+        run = engine._runner
+        run.split_padding = 256  # (the tiny model's context is 512 positions)
+        decodes, grouped = [], run._decode_groups  # each decode step's groups: the rows of each
+        run._decode_groups = lambda items: decodes.append([g.batch for g in grouped(items)]) or grouped(items)
+        pieces = []  # each decode forward's pieces: the rows of each
+        if run.paged_columns:
+            run.paged_columns = 64
+            attend = run.ops.paged_attention
+            run.ops.paged_attention = lambda q, k, v, parts, partial: (
+                (pieces.append([p.shape[0] for p in parts]) if q.shape[2] == 1 else None)
+                or attend(q, k, v, parts, partial)
+            )
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
         outs = [s.result(timeout=120) for s in [engine.submit(p, params) for p in prompts]]
-    assert 1 in decodes  # the long row alone
+    if backend == "torch":
+        assert [4] in decodes and all(len(groups) == 1 for groups in decodes), decodes
+        # every row reads the first piece (its first positions) and the last (its own column); the
+        # long row alone reads those between
+        assert pieces and all(len(r) == 5 and r[0] == r[-1] == 4 and r[1:-1] == [1] * 3 for r in pieces), pieces
+    else:
+        assert [3, 1] in decodes, decodes  # the long row alone
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == reference(model, prompt, 6)
         ref = generate(

@@ -153,7 +153,11 @@ def test_one_forward_per_step_with_decodes_and_prefill_chunks_together(tmp_path,
     prompts = [rng.integers(8, VOCAB, n).tolist() for n in (5, 260, 7, 200)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     engine = Engine(model, block_size=16, max_num_batched_tokens=48).start(background=False)
-    engine._runner.split_padding = 64  # (rows of 5 and 260 positions decode as two groups of one forward)
+    # rows of 5 and 260 positions: torch's attention reads the pool in pieces of 64 columns (the short
+    # rows sit out the long row's), MindSpore decodes them as two groups of the one forward
+    engine._runner.split_padding = 64
+    if engine._runner.paged_columns:
+        engine._runner.paged_columns = 64
     calls = _count_forwards(model, backend)
     streams = [engine.submit(p, params) for p in prompts[:3]]
     per_step, mixed = [], 0

@@ -20,7 +20,7 @@ calls ``update`` on: it writes the step's K/V into the pool and returns the rows
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, NamedTuple, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -168,6 +168,40 @@ class KVStore:
         )
 
 
+class Piece(NamedTuple):
+    """Columns of one paged attention piece: the rows that have a position there (None: every row),
+    their slots (flat, ``shape`` (rows, columns)) and additive mask (rows, 1, S, columns)."""
+
+    rows: Any
+    slots: Any
+    shape: Tuple[int, int]
+    mask: Any
+
+
+def attention_pieces(ops, read: np.ndarray, mask: np.ndarray, columns: int, dtype: str) -> List[Piece]:
+    """The pieces of ``columns`` columns that attention over ``read`` (B, T) slots with the additive
+    ``mask`` (B, 1, S, T) reads (``Ops.paged_attention``); a row sits out every piece where the
+    mask hides all its columns (the padding up to the longest row)."""
+    batch, width = read.shape
+    seen = (mask == 0).any(axis=(1, 2))  # (B, T): a column some query of the row attends
+    pieces = []
+    for start in range(0, width, columns):
+        stop = min(start + columns, width)
+        rows = np.flatnonzero(seen[:, start:stop].any(axis=1))
+        if not len(rows):
+            continue
+        every = len(rows) == batch
+        pieces.append(
+            Piece(
+                None if every else ops.asarray(rows, "int64"),
+                ops.asarray(read[rows, start:stop].reshape(-1), "int64"),
+                (len(rows), stop - start),
+                ops.asarray(mask[rows, :, :, start:stop], dtype),
+            )
+        )
+    return pieces
+
+
 class PagedCache(_ModelCache):
     """The cache object of one paged forward: ``update`` writes the step's K/V into the pool at
     ``write`` (B, S) and returns the K/V of ``read`` (B, W + S): each row's earlier positions
@@ -184,12 +218,21 @@ class PagedCache(_ModelCache):
         self.conv_states, self.recurrent_states = dict(conv), dict(recurrent)
         self.keys: Dict[int, Any] = {}  # (the contract's attribute; a paged cache keeps K/V in the pool)
         self.values: Dict[int, Any] = {}
+        self.pieces: Optional[List[Piece]] = None  # set: ``attend`` reads the pool piece by piece
 
     def update(self, key, value, layer_idx: int):
         ops, store = self.ops, self.store
         ops.write_slots(store.keys[layer_idx], self.write, key)
         ops.write_slots(store.values[layer_idx], self.write, value)
         return ops.gather_slots(store.keys[layer_idx], self.read), ops.gather_slots(store.values[layer_idx], self.read)
+
+    def attend(self, query, key, value, mask, layer_idx: int, dense, partial):
+        if self.pieces is None:
+            return super().attend(query, key, value, mask, layer_idx, dense, partial)
+        ops, store = self.ops, self.store
+        ops.write_slots(store.keys[layer_idx], self.write, key)
+        ops.write_slots(store.values[layer_idx], self.write, value)
+        return ops.paged_attention(query, store.keys[layer_idx], store.values[layer_idx], self.pieces, partial)
 
     def attended_length(self) -> int:
         return self.read.shape[1]
@@ -210,4 +253,4 @@ def read_past(store: KVStore, read: np.ndarray) -> list:
     ]
 
 
-__all__ = ["CacheLayout", "KVStore", "PagedCache", "NULL_SLOT", "write_past", "read_past"]
+__all__ = ["CacheLayout", "KVStore", "PagedCache", "Piece", "NULL_SLOT", "attention_pieces", "write_past", "read_past"]

@@ -8,9 +8,13 @@ last step left (state snapshots saved, partial blocks copied, prompts forked int
 sequences freed), then runs the decodes and the prefill chunks and draws tokens with each
 request's own settings (``selector.py``).
 
-The forwards go through ``PagedCache`` (``kv_store.py``): the step's K/V are written into the pool
-and each row's K/V gathered back for attention. Decode rows of very different lengths run in
-separate forwards (``length_groups``), since one forward gathers every row padded to the longest.
+The forwards go through ``PagedCache`` (``kv_store.py``): the step's K/V are written into the pool,
+and attention reads it through the rows' slots, in pieces of the backend's ``paged_columns``
+(``Ops.paged_attention``: a bounded gather a piece, a row sits out the pieces that hold only its
+padding, so rows of very different lengths share a forward at no padding cost). A backend that
+attends over each row's gathered K/V instead (``paged_columns`` None) splits a decode of very
+different lengths into groups (``length_groups``), since one group gathers every row padded to its
+longest.
 Fresh prompt chunks share one left-padded forward (the linear layers' ``prompt_mask`` keeps
 padding out of their state, as generate does); chunks after a past share one forward per length.
 """
@@ -31,7 +35,7 @@ from ..parallel.model_group import gather_vocab_logits
 from ..scoring import position_top_logprobs
 from ..token_packing import GroupedPacking
 from .config import EngineConfig
-from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, read_past, write_past
+from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, attention_pieces, read_past, write_past
 from .outputs import ranked_entries
 from .scheduler import Scheduled, Scheduler, SchedulerOutput
 from .selector import select
@@ -104,6 +108,10 @@ class ModelRunner:
         self.conv: Dict[int, Any] = {}  # (B, ...) live states, row order
         self.recurrent: Dict[int, Any] = {}
         self.routed: Optional[np.ndarray] = None  # (B, moe_layers, top_k) of the last decode, when asked
+        # attention reads the pool in pieces of this many columns, skipping a row's padding
+        # (``Ops.paged_attention``); a backend that attends over gathered K/V instead (None) splits
+        # a decode of very different lengths by ``split_padding`` (``length_groups``)
+        self.paged_columns: Optional[int] = getattr(ops, "paged_columns", None)
         self.split_padding = SPLIT_PADDING
         self.boundary_states: Dict[Any, tuple] = {}  # key -> (conv, recurrent, row) at the last step's boundary
 
@@ -202,11 +210,12 @@ class ModelRunner:
         """One forward over (B, S) new tokens after (B, W) past columns: ((B, V) last logits, conv,
         recurrent, (B, layers, top_k) routing of the last positions or None)."""
         ops = self.ops
-        mask = ops.asarray(rows.mask(self.dtype), self.dtype)
+        host_mask = rows.mask(self.dtype)
+        mask = ops.asarray(host_mask, self.dtype)
         kwargs = dict(position_ids=ops.asarray(rows.positions, "int64"), attention_mask=mask)
         tokens = ops.asarray(rows.ids, "int64")
         if self.layout.cache_object:
-            cache = self._paged_cache(rows)
+            cache = self._paged_cache(rows, host_mask)
             kwargs.update(past_key_values=cache, logits_to_keep=0 if rows.keep_all.any() else 1)
         else:
             width = rows.width
@@ -232,8 +241,11 @@ class ModelRunner:
         every = {j: logits[j, seq - int(counts[j]) :] for j in map(int, np.flatnonzero(rows.keep_all))}
         return logits[:, -1], conv, recurrent, routed, every
 
-    def _paged_cache(self, rows: "_Rows") -> PagedCache:
+    def _paged_cache(self, rows: "_Rows", mask: np.ndarray) -> PagedCache:
         cache = PagedCache(self.store, rows.write, rows.read, rows.width, rows.conv, rows.recurrent)
+        columns = self.paged_columns
+        if columns and rows.read.shape[1] > columns:
+            cache.pieces = attention_pieces(self.ops, rows.read, mask, columns, self.dtype)
         if rows.width == 0 and not rows.new_valid.all():
             cache.prompt_mask = self.ops.asarray(rows.new_valid.astype(np.int64), self.dtype)
         return cache
@@ -251,8 +263,9 @@ class ModelRunner:
                 at += int(count)
         step = GroupedPacking(ops, [rows.new_valid for rows in groups], np.asarray(keep, dtype=np.int64))
         for group, rows in zip(step.groups, groups):
-            group.cache = self._paged_cache(rows)
-            group.mask = ops.asarray(rows.mask(self.dtype), self.dtype)
+            host_mask = rows.mask(self.dtype)
+            group.cache = self._paged_cache(rows, host_mask)
+            group.mask = ops.asarray(host_mask, self.dtype)
             group.positions = ops.asarray(rows.positions, "int64")
         ids = np.concatenate([rows.ids[rows.new_valid] for rows in groups])[None]
         try:
@@ -284,15 +297,16 @@ class ModelRunner:
     # ---- decode --------------------------------------------------------------------------------
     def _decode_groups(self, items: List[Scheduled]) -> List["_Rows"]:
         """The decoding rows the step names (all of them, in the usual case), in the rows' own order
-        (so their states pass whole), split by length where one group would gather more padding
-        than the rows' own positions (``length_groups``)."""
+        (so their states pass whole); on a backend without paged attention, split by length where
+        one group would gather more padding than the rows' own positions (``length_groups``)."""
         index = {row.key: i for i, row in enumerate(self.rows)}
         by_row = {index[item.key]: item for item in items}
         order = np.asarray(sorted(by_row), dtype=np.int64)
         lengths = np.asarray([by_row[i].start for i in order], dtype=np.int64)
         routes = any(getattr(self.rows[i].request.params, "return_routed_experts", False) for i in order)
         groups = []
-        for picked in length_groups(lengths, self.split_padding):
+        split = [np.arange(len(order))] if self.paged_columns else length_groups(lengths, self.split_padding)
+        for picked in split:
             rows = self._decode_rows(order[picked], lengths[picked], routes)
             rows.items = [by_row[i] for i in rows.order]
             groups.append(rows)

@@ -92,6 +92,9 @@ class MindSporeOps:
     # PyNative is one process-wide executor (its grad switch, op queue, kernel caches): two threads
     # running forwards at once segfault inside the kernels, so generate() serialises them
     thread_safe = False
+    # attention over the pool reads gathered K/V (``gather_slots``): a loop of pieces costs
+    # kernels, what MindSpore's runtime charges for; Ascend's paged-attention kernel is the way there
+    paged_columns = None
 
     def is_tensor(self, x):
         return isinstance(x, ms.Tensor)

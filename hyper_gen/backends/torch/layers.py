@@ -70,3 +70,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = rot // 2
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     return torch.cat(((x_rot * cos) + (rotated * sin), x_pass), dim=-1)
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+def attention_lse(query, key, value, mask, scale: float):
+    """Softmax attention of ``query`` (B, H, L, D) over ``key`` / ``value`` (B, H, T, D) with an
+    additive ``mask`` (broadcast to (B, H, L, T)): the output (B, H, L, D) in the query's dtype
+    and the log-sum-exp of the scores (B, H, L) in ``compute_dtype``, what merging attention over
+    pieces of the keys needs. On CPU, torch's flash kernel (the one ``scaled_dot_product_attention``
+    runs there) returns both; elsewhere the same math in plain ops."""
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, False, attn_mask=mask, scale=scale
+        )[:2]
+        return out, lse.to(compute_dtype(query.dtype))
+    wide = compute_dtype(query.dtype)
+    scores = (query.to(wide) @ key.to(wide).transpose(-1, -2)) * scale + mask.to(wide)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ value.to(wide)
+    return out.to(query.dtype), lse

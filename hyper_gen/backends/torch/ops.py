@@ -37,11 +37,17 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+# the engine's attention reads the pool in pieces of this many columns (docs/kv_cache.md): small
+# enough that a piece's K/V stay in cache between the gather and the attention that reads them
+PAGED_COLUMNS = 1024
+
+
 class TorchOps:
     """Torch ops bound to one device."""
 
     name = "torch"
     thread_safe = True  # concurrent generate() calls on one model run side by side
+    paged_columns = PAGED_COLUMNS
 
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
@@ -141,6 +147,27 @@ class TorchOps:
     def write_slots(self, pool, slots, values):
         b, h, s, d = values.shape
         pool.index_copy_(0, self._index(slots, pool.device), values.transpose(1, 2).reshape(b * s, h, d))
+
+    def paged_attention(self, query, pool_k, pool_v, pieces, partial):
+        """Attention over the pool a piece of columns at a time: each piece's rows read only its
+        slots (a bounded gather, not every row's whole history), and rows with no position in a
+        piece skip it (no padding); the pieces' outputs merge by their log-sum-exp."""
+        b, h, s, d = query.shape
+        outs, lses = [], []
+        for piece in pieces:
+            q = query if piece.rows is None else query.index_select(0, piece.rows)
+            n, t = piece.shape
+            k = pool_k.index_select(0, piece.slots).view(n, t, *pool_k.shape[1:]).transpose(1, 2)
+            v = pool_v.index_select(0, piece.slots).view(n, t, *pool_v.shape[1:]).transpose(1, 2)
+            out, lse = partial(q, k, v, piece.mask)
+            out = out.to(lse.dtype)
+            if piece.rows is not None:
+                out = out.new_zeros((b, h, s, out.shape[-1])).index_copy_(0, piece.rows, out)
+                lse = lse.new_full((b, h, s, 1), float("-inf")).index_copy_(0, piece.rows, lse)
+            outs.append(out)
+            lses.append(lse)
+        weights = torch.softmax(torch.stack(lses), dim=0)
+        return (torch.stack(outs) * weights).sum(0).to(query.dtype)
 
     def no_grad(self):
         return torch.no_grad()

@@ -25,6 +25,7 @@ from hyper_gen.backends.torch.kernels import PLAIN, TorchKernels, budget_bytes
 from hyper_gen.backends.torch.layers import (
     ZeroCentredRMSNorm,
     apply_rotary,
+    attention_lse,
     compute_dtype,
     rotary_cos_sin,
     rotary_inverse_frequencies,
@@ -107,8 +108,9 @@ class GatedAttention(nn.Module):
             out = self._attend_context_parallel(query, key, value, attention_mask, cache, cp_step)
         else:
             if cache is not None:
-                key, value = cache.update(key, value, self.layer_idx)
-            out = self._attend(query, key, value, attention_mask)
+                out = cache.attend(query, key, value, attention_mask, self.layer_idx, self._attend, self._attend_lse)
+            else:
+                out = self._attend(query, key, value, attention_mask)
         return out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
 
     def _attend_context_parallel(self, query, key, value, mask, cache, step: CPStep):
@@ -164,6 +166,16 @@ class GatedAttention(nn.Module):
             out = (weights @ values.to(compute)) / total
             lse = top + total.log()
         return step.merge_attention(out, lse).to(query.dtype).reshape(b, h, 1, d)
+
+    def _attend_lse(self, query, key, value, mask):
+        """(output, log-sum-exp) of ``query`` (B, H, S, D) over one piece of the keys (B, KV, T, D):
+        the paged pool's attention merges the pieces (``TorchOps.paged_attention``)."""
+        b, h, s, d = query.shape
+        groups = h // key.shape[1]
+        if groups > 1 and s > 1:  # a kv head's queries are rows (head-major, then position)
+            mask = mask.repeat(1, 1, groups, 1)
+        out, lse = attention_lse(query.reshape(b, key.shape[1], groups * s, d), key, value, mask, self.scale)
+        return out.reshape(b, h, s, d), lse.reshape(b, h, s, 1)
 
     def _attend(self, query, key, value, mask):
         b, h, s, d = query.shape

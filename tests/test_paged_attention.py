@@ -1,0 +1,71 @@
+"""Attention over the paged pool, piece by piece (``Ops.paged_attention``): the same numbers as
+attention over each row's whole gathered history, with rows of very different lengths in one
+forward and no row reading another's padding.
+
+The engine runs torch's attention in pieces of ``paged_columns`` columns; here the pieces are made
+small (16 columns) so a tiny model's short prompts span many of them: decode rows, fresh prompt
+chunks and chunks after a past all cross piece boundaries. In float64 the engine's tokens are
+generate()'s (a static cache, one softmax over every column) and its logprobs (float32, vLLM's
+default) generate()'s raw ones to float32 rounding.
+"""
+
+import numpy as np
+import pytest
+from qwen_checkpoints import make_checkpoint
+
+from hyper_gen import generate, load_model
+from hyper_gen.engine import Engine, SamplingParams
+from hyper_gen.engine.kv_store import attention_pieces
+
+VOCAB = 97
+
+
+def test_pieces_leave_out_the_rows_a_piece_holds_only_padding_of():
+    read = np.arange(2 * 40).reshape(2, 40)
+    mask = np.full((2, 1, 1, 40), -1e30)
+    mask[0, ..., :40] = 0  # row 0 attends every column
+    mask[1, ..., :5] = 0  # row 1 its first 5 and its own (the last)
+    mask[1, ..., 39] = 0
+
+    class Host:  # numpy stands in for a framework: the plan only converts arrays
+        @staticmethod
+        def asarray(array, dtype=None):
+            return np.asarray(array)
+
+    pieces = attention_pieces(Host, read, mask, 16, "float32")
+    assert [p.shape for p in pieces] == [(2, 16), (1, 16), (2, 8)]
+    assert pieces[0].rows is None and pieces[1].rows.tolist() == [0] and pieces[2].rows is None
+    assert pieces[1].slots.tolist() == list(range(16, 32))
+    assert pieces[2].mask.shape == (2, 1, 1, 8)
+
+
+def _logprob_gap(got, want):
+    return max(abs(a - b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_engine_reads_the_pool_in_pieces_with_generates_numbers(tmp_path, kind, one_torch_thread):
+    model = load_model(make_checkpoint(tmp_path, kind, "float32"), backend="torch", dtype="float64")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(8, VOCAB, n).tolist() for n in (150, 4, 61, 17, 230)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    engine = Engine(model, block_size=16, max_num_batched_tokens=48, enable_prefix_caching=False)
+    assert engine._runner.paged_columns  # torch attends piece by piece
+    engine._runner.paged_columns = 16
+    calls = []
+    attend = engine._runner.ops.paged_attention
+    engine._runner.ops.paged_attention = lambda q, k, v, pieces, partial: (
+        calls.append((q.shape[2], len(pieces))) or attend(q, k, v, pieces, partial)
+    )
+    with engine:
+        outs = [s.result(timeout=300) for s in [engine.submit(p, params) for p in prompts]]
+    assert any(s == 1 and n > 2 for s, n in calls) and any(s > 1 and n > 2 for s, n in calls), calls
+    for prompt, out in zip(prompts, outs):
+        ref = generate(
+            model, [prompt], max_new_tokens=10, eos_token_id=None, output_logprobs=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        want = ref.sequences[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == want
+        got = [entry["logprob"] for entry in out.outputs[0].logprobs]
+        assert _logprob_gap(got, ref.raw_logprobs[0].tolist()) < 1e-6
