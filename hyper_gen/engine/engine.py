@@ -23,6 +23,7 @@ from .checks import check_engine_model, check_prompt_ids, check_request
 from .config import EngineConfig, resolve_engine_config
 from .core import EngineCore, EngineDeadError
 from .messages import ALL, PAUSE_MODES, Abort, AddRequest, Pause, Resume, Sleep, WakeUp
+from .output_processor import OutputProcessor
 from .params import SamplingParams
 from .request import Request
 from .stream import RequestStream
@@ -71,7 +72,6 @@ class Engine:
         self._core = core = EngineCore(
             model,
             self.ops,
-            tokenizer,
             config,
             max_model_len=self.max_model_len,
             admit_batch=self.admit_batch,
@@ -79,6 +79,9 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
         )
         self.world_size, self.rank, self.cache_memory_bytes = core.world_size, core.rank, core.cache_memory_bytes
+        if self.rank == 0:  # text, stop strings, chunks and outputs, off the step loop (the other ranks stream nothing)
+            stop = lambda choice: core.post(Abort(choice, reply=False))  # noqa: E731
+            core.outputs = OutputProcessor(tokenizer, abort=stop, fail=core.fail)
         self._thread: Optional[threading.Thread] = None
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -96,6 +99,7 @@ class Engine:
         self._core.start(inline=not background)
         self._thread = thread
         if thread is not None:
+            self._core.outputs.start()
             thread.start()
         return self
 
@@ -115,8 +119,10 @@ class Engine:
         if self._thread is None:
             if message is not None:
                 self._core.drive(message)
-        elif self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        else:
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+            self._core.outputs.join(timeout)  # every stream closed (not from a done callback: that is its thread)
 
     def run_follower(self) -> None:
         """Ranks other than 0 of a multi-rank model: run rank 0's steps until it shuts down."""
