@@ -195,7 +195,8 @@ def test_the_tokenizer_runs_on_the_output_thread_never_in_a_step(tokenizer, one_
     assert stopped.finish_reason == "stop" and stopped.token_ids == _expected(model, tokenizer, prompt, 12)[0]
 
 
-def test_an_output_processing_error_kills_the_engine_loudly(tokenizer, one_torch_thread):
+@pytest.mark.parametrize("background", [True, False])
+def test_an_output_processing_error_kills_the_engine_loudly(tokenizer, background, one_torch_thread):
     """A tokenizer that raises: every open stream and later call gets EngineDeadError (no hang)."""
     from hyper_gen.engine import EngineDeadError
 
@@ -206,12 +207,16 @@ def test_an_output_processing_error_kills_the_engine_loudly(tokenizer, one_torch
             raise KeyError("tokenizer bug")
 
     prompt = tokenizer("rev 123456 =")["input_ids"]
-    with Engine(model, Broken(tokenizer)) as engine:
-        stream = engine.submit(prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-        with pytest.raises(EngineDeadError, match="tokenizer bug"):
-            stream.result(timeout=60)
-        deadline = time.monotonic() + 30
-        while engine.alive and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with pytest.raises(EngineDeadError):
-            engine.submit(prompt)
+    engine = Engine(model, Broken(tokenizer)).start(background=background)
+    stream = engine.submit(prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    if not background:
+        while engine.alive and engine.step():
+            pass
+    with pytest.raises(EngineDeadError, match="tokenizer bug"):
+        stream.result(timeout=60)
+    deadline = time.monotonic() + 30
+    while engine.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(EngineDeadError):
+        engine.submit(prompt)
+    engine.shutdown()

@@ -6,14 +6,22 @@ the background thread calls it in a loop, an engine stepped by its caller calls 
 the other ranks of a tensor-parallel engine call it in ``follow``. Each step, on rank 0:
 
 1. take the queued messages, in order (``_take``): adds join the waiting queue, aborts and pauses
-   pick the requests they end, resume clears the hold; an update, a sleep, a wake-up or the
-   shutdown ends the batch, since it needs a plan of its own;
+   pick the requests they end (an abort of one choice, from a stop string, ends it), resume clears
+   the hold; an update, a sleep, a wake-up or the shutdown ends the batch, since it needs a plan of
+   its own;
 2. plan (``_plan``): the rows to drop (ended, aborted, cancelled, failed), the hold, the update or
    pool change, or else the scheduler's output and the requests new to the runners (``plan.py``);
-3. settle: the aborted requests get their last chunk, the messages their answers;
+3. settle: the aborted requests end, the messages get their answers;
 4. share the plan with the other ranks (world size > 1), then ``execute`` it: the same function on
    every rank applies the drops, the weight update (``weight_sync.py``) or the pool change, and
-   runs the scheduler's output on the runner, recording the drawn tokens (rank 0 streams them).
+   runs the scheduler's output on the runner, recording the drawn token ids.
+
+Rank 0 ends the choices it can tell from the ids (EOS, a stop token id, max_tokens) and puts what
+each step drew, and every end, in order into its ``OutputProcessor`` (output_processor.py), which
+makes the text, the chunks and the outputs on a thread of its own, or right after the step of an
+engine stepped by its caller: the tokenizer never runs in the step loop, and a long output costs
+the step nothing. The answers of the controls that return outputs (abort, pause, sleep) come from
+there too, after the last chunks of the requests they end.
 
 A step that updates weights or changes the pool computes nothing: the prefix cache is reset before
 any later allocation. A world of one runs exactly this path with no collective, so every control
@@ -21,7 +29,8 @@ has one meaning whatever the world size.
 
 Failure stays with whom it belongs to: a forward that raises fails its requests (``runner.py``),
 and the engine goes on; an error in the engine itself kills it: every open stream, every waiting
-message and every later call gets ``EngineDeadError``, and the other ranks are told to stop.
+message and every later call gets ``EngineDeadError``, and the other ranks are told to stop. An
+error in the output processor is the engine's too: the engine dies of it at its next step boundary.
 """
 
 from __future__ import annotations
@@ -130,6 +139,7 @@ class EngineCore:
         self._step_lock = threading.RLock()  # one step at a time, whoever calls it
         self._stepping: Optional[int] = None  # the thread inside a step (it must not wait for one)
         self.inline = False  # stepped by the caller (start(background=False)): a control call steps itself
+        self._thread: Optional[threading.Thread] = None  # the engine thread (rank 0, started in the background)
         # rank 0: the OutputProcessor (output_processor.py) the steps' outputs and ends go to, in order
         self.outputs = None
         self._step_outputs: List = []  # rank 0: this step's, put there once it is executed
@@ -138,11 +148,25 @@ class EngineCore:
         self.error: Optional[BaseException] = None
 
     # ---- the way in (any thread) -----------------------------------------------------------------
-    def start(self, inline: bool) -> None:
+    def start(self, inline: bool, setup=None) -> None:
+        """Rank 0: running; unless ``inline`` (stepped by the caller), the engine thread steps it
+        (``setup()`` first, there) beside the output processor's thread."""
         with self._cond:
             if self.state != "new":
                 raise RuntimeError(f"the engine was already started (it is {self.state})")
             self.state, self.inline = "running", inline  # together: a control call sees which kind it is
+        if not inline:
+            self.outputs.start()
+            self._thread = threading.Thread(target=self.run, args=(setup,), name="hyper_gen-engine", daemon=True)
+            self._thread.start()
+
+    def join(self, timeout: Optional[float]) -> None:
+        """Wait up to ``timeout`` s each for the engine thread and the output processor's to end (not
+        on one of them: a done callback that shuts the engine down returns at once)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self.outputs is not None:
+            self.outputs.join(timeout)
 
     def check_running(self) -> None:
         if self.state == "running":
