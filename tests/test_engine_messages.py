@@ -126,7 +126,7 @@ def test_the_engine_thread_calls_the_same_step(backend, one_torch_thread):
         assert engine.abort_all() == []
     assert len(out.outputs[0].token_ids) == 4
     assert trace.kinds() == ["AddRequest", "Pause", "Resume", "Abort", "Shutdown"]
-    assert trace.steps and set(trace.steps) == {engine._thread.ident}
+    assert trace.steps and set(trace.steps) == {engine._core._thread.ident}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -29,7 +29,7 @@ def _requests(rng, count, longest):
         params = SamplingParams(max_tokens=int(rng.integers(1, 12)), n=int(rng.choice([1, 1, 2, 3])))
         prompt = rng.integers(8, VOCAB, int(rng.integers(1, longest))).tolist()
         request = Request(serial, f"r{serial}", prompt, params, 0)
-        request.open_choices([], None)
+        request.open_choices([])
         out.append(request)
     return out
 
@@ -97,7 +97,7 @@ def test_two_prompts_that_fill_the_pool_together_both_finish():
     requests = []
     for serial in range(3):
         request = Request(serial, f"r{serial}", rng.integers(8, VOCAB, 300).tolist(), SamplingParams(max_tokens=8), 0)
-        request.open_choices([], None)
+        request.open_choices([])
         requests.append(request)
     kv = KVCacheManager(20, 16, enable_prefix_caching=True, hybrid=True)
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)

@@ -4,10 +4,13 @@ can never run (``ValueError`` / ``TypeError`` naming the field and the value).""
 from __future__ import annotations
 
 import numbers
+from typing import Optional
 
 import numpy as np
 
+from ..config import model_defaults
 from ..drivers import ForwardSignature, is_hf_model
+from ..inputs import ModelLimits
 
 _NEEDED = ("past_key_values", "attention_mask", "position_ids")
 
@@ -53,6 +56,20 @@ def check_prompt_ids(prompt_token_ids, vocab) -> np.ndarray:
     return ids
 
 
+def model_limits(model, max_model_len: Optional[int]) -> tuple:
+    """(vocab_size, max_model_len, eos_token_ids) of an engine on ``model``: ``max_model_len`` (None:
+    the model's context) must fit its ``max_position_embeddings``."""
+    limits = ModelLimits.of(model)
+    if max_model_len is not None and limits.context is not None and max_model_len > limits.context:
+        raise ValueError(
+            f"max_model_len={max_model_len} is more than the model's context of {limits.context} "
+            "positions (max_position_embeddings)"
+        )
+    eos = model_defaults(model).get("eos_token_id")
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    return limits.vocab_size, max_model_len if max_model_len is not None else limits.context, eos_ids
+
+
 def check_request(engine, prompt_len: int, params) -> None:
     """Whether ``engine`` can ever run a request of ``prompt_len`` tokens with ``params``: its context,
     its cache pool (alone), its batch, its tokenizer, the model's routing and vocabulary."""
@@ -87,4 +104,4 @@ def positive_int(name, value):
     return int(value)
 
 
-__all__ = ["check_engine_model", "check_prompt_ids", "check_request", "positive_int"]
+__all__ = ["check_engine_model", "check_prompt_ids", "check_request", "model_limits", "positive_int"]

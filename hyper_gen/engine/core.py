@@ -6,14 +6,22 @@ the background thread calls it in a loop, an engine stepped by its caller calls 
 the other ranks of a tensor-parallel engine call it in ``follow``. Each step, on rank 0:
 
 1. take the queued messages, in order (``_take``): adds join the waiting queue, aborts and pauses
-   pick the requests they end, resume clears the hold; an update, a sleep, a wake-up or the
-   shutdown ends the batch, since it needs a plan of its own;
+   pick the requests they end (an abort of one choice, from a stop string, ends it), resume clears
+   the hold; an update, a sleep, a wake-up or the shutdown ends the batch, since it needs a plan of
+   its own;
 2. plan (``_plan``): the rows to drop (ended, aborted, cancelled, failed), the hold, the update or
    pool change, or else the scheduler's output and the requests new to the runners (``plan.py``);
-3. settle: the aborted requests get their last chunk, the messages their answers;
+3. settle: the aborted requests end, the messages get their answers;
 4. share the plan with the other ranks (world size > 1), then ``execute`` it: the same function on
    every rank applies the drops, the weight update (``weight_sync.py``) or the pool change, and
-   runs the scheduler's output on the runner, recording the drawn tokens (rank 0 streams them).
+   runs the scheduler's output on the runner, recording the drawn token ids.
+
+Rank 0 ends the choices it can tell from the ids (EOS, a stop token id, max_tokens) and puts what
+each step drew, and every end, in order into its ``OutputProcessor`` (output_processor.py), which
+makes the text, the chunks and the outputs on a thread of its own, or right after the step of an
+engine stepped by its caller: the tokenizer never runs in the step loop, and a long output costs
+the step nothing. The answers of the controls that return outputs (abort, pause, sleep) come from
+there too, after the last chunks of the requests they end.
 
 A step that updates weights or changes the pool computes nothing: the prefix cache is reset before
 any later allocation. A world of one runs exactly this path with no collective, so every control
@@ -21,7 +29,8 @@ has one meaning whatever the world size.
 
 Failure stays with whom it belongs to: a forward that raises fails its requests (``runner.py``),
 and the engine goes on; an error in the engine itself kills it: every open stream, every waiting
-message and every later call gets ``EngineDeadError``, and the other ranks are told to stop.
+message and every later call gets ``EngineDeadError``, and the other ranks are told to stop. An
+error in the output processor is the engine's too: the engine dies of it at its next step boundary.
 """
 
 from __future__ import annotations
@@ -35,19 +44,27 @@ from typing import List, Optional
 
 from ..parallel.launcher import collective_timeout_s, heartbeat_s
 from ..parallel.model_group import exclusive, parallel_group
-from .messages import ALL, Abort, AddRequest, Message, Pause, Resume, Shutdown, Sleep, UpdateWeights, WakeUp, resolve
-from .outputs import ChoiceOutput, CompletionChunk, RequestOutput
+from .messages import (
+    ALL,
+    Abort,
+    AddRequest,
+    EngineDeadError,
+    Message,
+    Pause,
+    Resume,
+    Shutdown,
+    Sleep,
+    UpdateWeights,
+    WakeUp,
+    resolve,
+)
+from .output_processor import Aborted, Answer, Dead, EngineCoreOutput, Failed, StepOutputs, Stopped
 from .plan import Admission, StepPlan, share_plan
-from .request import Request
-from .routes import keep_route, routed_experts
+from .request import Choice, Request
 from .runner import build
 from .weight_sync import WeightSync, version_key
 
 _POLL_S = 0.25  # how often a follower's update_weights call looks at its deadline
-
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped on an error of its own; the cause is chained (``__cause__``)."""
 
 
 class RecentIds:
@@ -85,8 +102,8 @@ def _busy(requests) -> RuntimeError:
 class EngineCore:
     """See the module docstring. ``state``: new -> running -> stopping -> stopped, or dead."""
 
-    def __init__(self, model, ops, tokenizer, config, *, max_model_len, admit_batch, vocab_size, eos_token_ids):
-        self.model, self.ops, self.tokenizer = model, ops, tokenizer
+    def __init__(self, model, ops, config, *, max_model_len, admit_batch, vocab_size, eos_token_ids):
+        self.model, self.ops = model, ops
         self.eos_token_ids = eos_token_ids
         group, size = parallel_group(ops, model)
         self.world_size = size
@@ -122,15 +139,34 @@ class EngineCore:
         self._step_lock = threading.RLock()  # one step at a time, whoever calls it
         self._stepping: Optional[int] = None  # the thread inside a step (it must not wait for one)
         self.inline = False  # stepped by the caller (start(background=False)): a control call steps itself
+        self._thread: Optional[threading.Thread] = None  # the engine thread (rank 0, started in the background)
+        # rank 0: the OutputProcessor (output_processor.py) the steps' outputs and ends go to, in order
+        self.outputs = None
+        self._step_outputs: List = []  # rank 0: this step's, put there once it is executed
+        self._fatal: Optional[BaseException] = None  # the output processor's error: the engine dies of it
         self.state = "new"
         self.error: Optional[BaseException] = None
 
     # ---- the way in (any thread) -----------------------------------------------------------------
-    def start(self, inline: bool) -> None:
+    def start(self, inline: bool, setup=None) -> None:
+        """Rank 0: running; unless ``inline`` (stepped by the caller), the engine thread steps it
+        (``setup()`` first, there) beside the output processor's thread."""
         with self._cond:
             if self.state != "new":
                 raise RuntimeError(f"the engine was already started (it is {self.state})")
             self.state, self.inline = "running", inline  # together: a control call sees which kind it is
+        if not inline:
+            self.outputs.start()
+            self._thread = threading.Thread(target=self.run, args=(setup,), name="hyper_gen-engine", daemon=True)
+            self._thread.start()
+
+    def join(self, timeout: Optional[float]) -> None:
+        """Wait up to ``timeout`` s each for the engine thread and the output processor's to end (not
+        on one of them: a done callback that shuts the engine down returns at once)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self.outputs is not None:
+            self.outputs.join(timeout)
 
     def check_running(self) -> None:
         if self.state == "running":
@@ -160,7 +196,7 @@ class EngineCore:
                 return
             else:
                 self.check_running()
-            if message.waits and self._stepping == threading.get_ident():
+            if message.waits and threading.get_ident() in (self._stepping, getattr(self.outputs, "thread_ident", None)):
                 where = "the engine's (not from a done callback)" if self.rank == 0 else "the one running run_follower"
                 raise RuntimeError(
                     f"{message.name} waits for a step boundary: call it from another thread than {where}"
@@ -194,6 +230,16 @@ class EngineCore:
             message = Shutdown()
             self.post(message)
         return message
+
+    def fail(self, error: BaseException) -> None:
+        """The output processor broke: the engine dies of ``error``, on the thread that steps it (at once
+        when that is this one, else at its next boundary)."""
+        if self._stepping == threading.get_ident():
+            self._die(error)
+            return
+        with self._cond:
+            self._fatal = self._fatal or error
+            self._cond.notify_all()
 
     def drive(self, message: Message) -> None:
         """A caller-stepped engine: steps on this thread that compute nothing, until ``message`` is applied."""
@@ -269,6 +315,8 @@ class EngineCore:
                 self._die(error)
                 raise
             finally:
+                if self.inline and self.outputs is not None:  # no thread of its own: it runs here, after the step
+                    self.outputs.drain()
                 self._stepping = outer
 
     def _step(self, compute: bool, wait: bool) -> bool:
@@ -306,7 +354,7 @@ class EngineCore:
                     return plan if self.world_size > 1 else None  # (the heartbeat the other ranks wait for)
 
     def _pending(self) -> bool:
-        return bool(self._queue or self._drops)
+        return bool(self._queue or self._drops or self._fatal)
 
     @staticmethod
     def _idle(plan: StepPlan) -> bool:
@@ -324,6 +372,9 @@ class EngineCore:
             if isinstance(message, AddRequest):
                 self._queued_adds -= 1
                 self.waiting.append(message.request)
+            elif isinstance(message, Abort) and isinstance(message.target, Choice):  # a stop string
+                if message.target.finish_reason is None:
+                    self._finish(message.target, "stop")
             elif isinstance(message, Abort):
                 message.requests = self._targets(message.target, aborted, message)
                 aborted += message.requests
@@ -338,7 +389,7 @@ class EngineCore:
                 if message.abort:
                     message.requests = self._targets(ALL, aborted)
                     aborted += message.requests
-                busy = [r for r in (*self.live.values(), *self.waiting) if not r.closed and r not in aborted]
+                busy = [r for r in (*self.live.values(), *self.waiting) if not r.finished and r not in aborted]
                 if self.asleep:
                     pass  # a no-op
                 elif busy:
@@ -367,10 +418,12 @@ class EngineCore:
                 if not candidates and target not in self._ended and abort is not None:
                     error = ValueError(f"abort: no request with request_id={target!r} was submitted to this engine")
                     resolve(abort, error=error)
-        return [r for r in candidates if not r.closed and r not in ending]
+        return [r for r in candidates if not r.finished and r not in ending]
 
     def _plan(self, compute: bool):
         """(plan, requests to abort, messages taken) for the next step (lock held)."""
+        if self._fatal is not None:
+            raise self._fatal
         taken, aborted = self._take()
         self._taken = taken
         boundary = self._boundary
@@ -388,7 +441,7 @@ class EngineCore:
             return StepPlan(drops=drops, hold=self.paused, update=update, sleep=sleep), aborted, taken
         while self.waiting:
             request = self.waiting.popleft()
-            request.open_choices(self.eos_token_ids, self.tokenizer)
+            request.open_choices(self.eos_token_ids)
             self.live[request.serial] = request
             self.scheduler.add(request)
         scheduled = self.scheduler.schedule()
@@ -404,15 +457,17 @@ class EngineCore:
         return drops
 
     def _settle(self, aborted, taken) -> None:
-        """End the aborted requests (a last "abort" chunk, the stream closed with its output), then
-        answer the messages taken (the one the plan applies answers once applied)."""
+        """End the aborted requests, then answer the messages taken (the one the plan applies answers
+        once applied): those that return outputs through the output processor, after their last chunks."""
         for request in aborted:
             self._abort(request)
+        named = [m for m in taken if getattr(m, "requests", None) is not None]
         for message in taken:
-            if message is self._boundary or message.future.done():
-                continue
-            requests = getattr(message, "requests", None)
-            resolve(message, None if requests is None else [self._output(r) for r in requests])
+            if message not in named and message is not self._boundary:
+                resolve(message)
+        if aborted or named:
+            answer = [m for m in named if m is not self._boundary and not m.future.done()]
+            self.outputs.put(Aborted(aborted, named, answer, self.weight_version))
 
     # ---- every rank: a plan ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> None:
@@ -436,6 +491,7 @@ class EngineCore:
             scheduled = plan.scheduled
             for admission in plan.admissions:
                 self._request_of(admission)
+            self._step_outputs = []
             result = self.runner.execute(scheduled)
             for request, error in result.errors:
                 self._fail(request, error)
@@ -443,6 +499,8 @@ class EngineCore:
                 self._record(choices, selection, routed)
             if self.rank == 0:
                 self.scheduler.update(scheduled, result.computed)
+                if self._step_outputs:
+                    self.outputs.put(StepOutputs(self._step_outputs, self.weight_version))
 
     def _weights_changed(self, version) -> None:
         """After an update: outputs carry ``version``, and nothing the old weights computed is served
@@ -473,11 +531,13 @@ class EngineCore:
         finally:
             with self._cond:
                 self._sleep_planned = False
-        if message is not None:
-            resolve(message, [self._output(r) for r in message.requests] if isinstance(message, Sleep) else None)
+        if isinstance(message, Sleep):
+            self.outputs.put(Answer([message]))  # its aborted requests' outputs, once they are out
+        elif message is not None:
+            resolve(message)
 
     def _forget(self, gone: set) -> None:
-        """Requests whose every choice has ended leave ``live`` (rank 0 once closed too; the other
+        """Requests whose every choice has ended leave ``live`` (rank 0 once all have finished; the other
         ranks count the drops, since a preempted choice is in no runner while it waits)."""
         with self._cond:
             for serial, index in gone:
@@ -485,7 +545,7 @@ class EngineCore:
                 if request is None:
                     continue
                 request.dropped.add(index)
-                if len(request.dropped) == len(request.choices) and (request.closed or self.rank != 0):
+                if len(request.dropped) == len(request.choices) and (request.finished or self.rank != 0):
                     del self.live[serial]
 
     def _request_of(self, admission: Admission) -> Request:
@@ -493,7 +553,7 @@ class EngineCore:
             return self.live[admission.serial]
         a = admission
         request = Request(a.serial, a.request_id, a.prompt, a.params, a.noise_seed)
-        request.open_choices(self.eos_token_ids, None)
+        request.open_choices(self.eos_token_ids)
         self.live[request.serial] = request
         return request
 
@@ -506,6 +566,8 @@ class EngineCore:
         for message in left:  # (only a follower's: rank 0's shutdown is the last message it takes)
             why = f"rank {self.rank}'s engine stopped before {message.name} was applied (rank 0 shut it down)"
             resolve(message, error=RuntimeError(why))
+        if self.outputs is not None:
+            self.outputs.put(Stopped())
         if self._boundary is not None:
             resolve(self._boundary)
 
@@ -524,8 +586,8 @@ class EngineCore:
         where = "the hyper_gen engine" if self.rank == 0 else f"rank {self.rank}'s engine"
         dead = EngineDeadError(f"{where} stopped on an error: {error!r}")
         dead.__cause__ = error
-        for request in requests:
-            self._close(request, error=dead)
+        if self.outputs is not None:
+            self.outputs.put(Dead(requests, dead))
         for message in pending:
             resolve(message, error=dead)
         if self.rank == 0 and self.world_size > 1:
@@ -534,95 +596,55 @@ class EngineCore:
             except Exception:
                 pass
 
-    # ---- results (rank 0 streams them; every rank keeps the token counts) --------------------------
+    # ---- results: every rank keeps the tokens; rank 0 ends choices and puts what it drew out -----------
     def _record(self, choices, selection, routed) -> None:
         for row, choice in enumerate(choices):
             request = choice.request
-            if request.closed or choice.finish_reason is not None:
+            if choice.finish_reason is not None:
                 continue
             if selection.errors[row] is not None:
                 self._fail(request, selection.errors[row])
                 continue
             token = int(selection.tokens[row])
             choice.token_ids.append(token)
-            keep_route(choice, routed, row)
             if self.rank == 0:
-                self._emit(choice, token, selection.logprobs[row])
+                params = request.params
+                reason = "stop" if token in request.stop_ids else "length" if choice.step >= params.max_tokens else None
+                if reason is not None:
+                    self._finish(choice, reason)
+                route = routed[row] if routed is not None and params.return_routed_experts else None
+                self._step_outputs.append(EngineCoreOutput(choice, token, selection.logprobs[row], reason, route))
 
-    def _emit(self, choice, token: int, logprob) -> None:
-        request, params = choice.request, choice.request.params
-        if choice.logprobs is not None:
-            choice.logprobs.append(logprob)
-        reason = "stop" if token in request.stop_ids else "length" if choice.step >= params.max_tokens else None
-        text, stopped = choice.text.update(choice.token_ids)
-        if stopped:
-            reason = "stop"
-        if reason is not None:
-            text += choice.text.finish()
-        self._chunk(choice, [token], text, reason, None if logprob is None else [logprob])
-
-    def _chunk(self, choice, tokens, text, reason, logprobs) -> None:
-        request = choice.request
-        if reason is not None:
-            choice.finish_reason = reason
-            with self._cond:
-                self._drops.append(choice.key)
-        request.stream._push(
-            CompletionChunk(
-                request_id=request.request_id,
-                index=choice.index,
-                token_ids=tokens,
-                text=text,
-                finished=reason is not None,
-                finish_reason=reason,
-                logprobs=logprobs if request.params.logprobs is not None else None,
-                prompt_tokens=len(request.prompt),
-                completion_tokens=len(choice.token_ids),
-            )
-        )
-        if request.finished:
-            self._close(request, output=self._output(request))
+    def _finish(self, choice, reason: str) -> None:
+        """Rank 0: ``choice`` draws no more; its row leaves at the next plan."""
+        choice.finish_reason = reason
+        with self._cond:
+            self._drops.append(choice.key)
+        if choice.request.finished:
+            self._ended.add(choice.request.request_id)  # abort(id) now finds it ended
 
     def _abort(self, request: Request) -> None:
-        """End a request now (cancel, abort, shutdown): its open choices get a final "abort" chunk."""
-        if request.closed:
-            return
+        """End a request now (cancel, abort, shutdown): its open choices end with "abort" (this plan
+        drops their rows; the output processor gives them their last chunk)."""
         if not request.choices:  # still queued
-            request.open_choices(self.eos_token_ids, self.tokenizer)
-        for choice in request.choices:
-            if choice.finish_reason is None:
-                self._chunk(choice, [], choice.text.finish(), "abort", [] if choice.logprobs is not None else None)
+            request.open_choices(self.eos_token_ids)
+        ending = [c for c in request.choices if c.finish_reason is None]
+        for choice in ending:
+            choice.finish_reason = "abort"
+        if ending:
+            self._ended.add(request.request_id)
 
     def _fail(self, request: Request, error: BaseException) -> None:
-        if request.closed:
+        if request.finished:
             return
         for choice in request.choices:
             if choice.finish_reason is None:
                 choice.finish_reason = "error"
         with self._cond:
             self._drops.extend(c.key for c in request.choices)
-        self._close(request, error=error)
-
-    def _close(self, request: Request, output=None, error=None) -> None:
-        request.closed = True
-        if request.stream is not None:
-            self._ended.add(request.request_id)  # before the stream ends: abort(id) then finds it ended
-            request.stream._close(output, error)
-
-    def _output(self, request: Request) -> RequestOutput:
-        outputs = [
-            ChoiceOutput(c.index, list(c.token_ids), c.text.text, c.finish_reason, c.logprobs, routed_experts(c))
-            for c in request.choices
-        ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt),
-            outputs=outputs,
-            prompt_tokens=len(request.prompt),
-            completion_tokens=sum(len(c.token_ids) for c in request.choices),
-            weight_version=self.weight_version,
-            prompt_logprobs=request.prompt_logprobs,
-        )
+        if self.rank == 0:
+            self._ended.add(request.request_id)
+            self._step_outputs.append(Failed(request, error))
 
     def stats(self) -> dict:
         queued = {seq.request.serial for seq in list(self.scheduler.waiting) if not seq.resume}

@@ -1,28 +1,28 @@
 """Engine: in-flight batching behind a thread-safe request API (the server and offline jobs stand on it).
 
-The facade over one ``EngineCore`` (core.py): it checks what a caller gives (a request the engine
-cannot take is a ``ValueError`` / ``TypeError`` before anything is queued), turns each call into a
-message on the core's one queue (messages.py) and waits for its answer, or hands back the request's
-stream. The core applies the messages at a step boundary and runs the steps: on its own thread
-(``start()``), on the caller's (``start(background=False)`` and ``step()``), and on the other
-ranks of a tensor-parallel engine in ``run_follower``. Nothing here touches the batch.
+The facade over one ``EngineCore`` (core.py) and, on rank 0, its ``OutputProcessor``
+(output_processor.py): it checks what a caller gives (a request the engine cannot take is a
+``ValueError`` / ``TypeError`` before anything is queued), turns each call into a message on the
+core's one queue (messages.py) and waits for its answer, or hands back the request's stream. The
+core applies the messages at a step boundary and runs the steps: on its own thread (``start()``),
+on the caller's (``start(background=False)`` and ``step()``), and on the other ranks of a
+tensor-parallel engine in ``run_follower``; the output processor turns what they draw into text,
+chunks and outputs. Nothing here touches the batch or the text.
 """
 
 from __future__ import annotations
 
-import threading
 import uuid
 from typing import List, Optional
 
 import numpy as np
 
-from ..config import model_defaults
-from ..inputs import ModelLimits
 from ..registry import backend_for, thread_initializer
-from .checks import check_engine_model, check_prompt_ids, check_request
+from .checks import check_engine_model, check_prompt_ids, check_request, model_limits
 from .config import EngineConfig, resolve_engine_config
 from .core import EngineCore, EngineDeadError
 from .messages import ALL, PAUSE_MODES, Abort, AddRequest, Pause, Resume, Sleep, WakeUp
+from .output_processor import OutputProcessor
 from .params import SamplingParams
 from .request import Request
 from .stream import RequestStream
@@ -31,47 +31,25 @@ from .stream import RequestStream
 class Engine:
     """In-flight batching engine over one model (see the module docstring).
 
-    ``tokenizer``: any HF tokenizer, for chunk text and stop strings (None: ids only).
-    The settings below come as an ``EngineConfig`` (``config``, config.py: vLLM's names, so
-    ``max_batch_size`` is its ``max_num_seqs`` and ``cache_memory_bytes`` its ``kv_cache_memory_bytes``)
-    and/or as keywords of either name, which override ``config``'s fields; ``engine.config`` holds them.
-    ``max_batch_size``: rows (choices) decoded together. ``max_model_len``: positions a request may
-    use (prompt + max_tokens), default the model's ``max_position_embeddings``.
-    The cache is paged (``scheduler.py``, ``runner.py``): ``block_size`` positions a block, from one pool of
-    ``cache_memory_bytes`` (default: what ``max_batch_size`` rows of ``max_model_len`` positions
-    could use, within a quarter of the host's available memory; ``stats()`` and the server print
-    it). ``enable_prefix_caching``: requests share the blocks of a common prompt prefix (a hybrid
-    model's recurrent state is snapshotted every ``state_snapshot_blocks`` blocks, where a hit may
-    resume). ``max_num_batched_tokens``: the most tokens a step computes, decoding rows included; a
-    longer prompt is prefilled in chunks over several steps while the running rows keep decoding.
-    ``admit_batch``: admit waiting requests only once this many slots are free (or the batch is
-    empty): 1 (the default) gives the lowest latency; an offline job, where only throughput
-    counts, admits in groups so one prefill forward serves several requests.
+    ``tokenizer``: any HF tokenizer, for chunk text and stop strings (None: ids only). The settings
+    come as an ``EngineConfig`` (``config``; config.py documents each, with vLLM's names) and/or as
+    keywords, which override its fields: its names or the engine's older ``max_batch_size``
+    (``max_num_seqs``) and ``cache_memory_bytes`` (``kv_cache_memory_bytes``); ``engine.config``
+    holds them. The cache is paged (``scheduler.py``, ``runner.py``): one pool of blocks, whose size
+    ``stats()`` and the server print.
     """
 
     def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None, **overrides):
         check_engine_model(model)
-        # the settings: config (None: the defaults) with the keyword overrides (config.py: EngineConfig's
-        # fields, or max_batch_size / cache_memory_bytes / the deprecated max_prefill_tokens)
         self.config = config = resolve_engine_config(config, overrides, stacklevel=3)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size = config.max_num_seqs
         self.admit_batch = min(config.admit_batch, self.max_batch_size)
         self.ops = backend_for(model)
-        limits = ModelLimits.of(model)
-        self.vocab_size = limits.vocab_size
-        if config.max_model_len is not None and limits.context is not None and config.max_model_len > limits.context:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} is more than the model's context of {limits.context} "
-                "positions (max_position_embeddings)"
-            )
-        self.max_model_len = config.max_model_len if config.max_model_len is not None else limits.context
-        eos = model_defaults(model).get("eos_token_id")
-        self.eos_token_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        self.vocab_size, self.max_model_len, self.eos_token_ids = model_limits(model, config.max_model_len)
         self._core = core = EngineCore(
             model,
             self.ops,
-            tokenizer,
             config,
             max_model_len=self.max_model_len,
             admit_batch=self.admit_batch,
@@ -79,44 +57,41 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
         )
         self.world_size, self.rank, self.cache_memory_bytes = core.world_size, core.rank, core.cache_memory_bytes
-        self._thread: Optional[threading.Thread] = None
+        if self.rank == 0:  # text, stop strings, chunks and outputs, off the step loop (the other ranks stream nothing)
+            stop = lambda choice: core.post(Abort(choice, reply=False))  # noqa: E731
+            core.outputs = OutputProcessor(tokenizer, abort=stop, fail=core.fail)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self, background: bool = True) -> "Engine":
-        """Start the engine thread (rank 0 of a multi-rank model; the other ranks run ``run_follower``).
+        """Start the engine thread and the output processor's (rank 0 of a multi-rank model; the other
+        ranks run ``run_follower``).
 
         ``background=False``: no thread; the caller drives the engine with :meth:`step` (offline jobs:
         no handoff between threads, whose two framework thread pools slow each other down on a small host)."""
         if self.rank != 0:
             raise RuntimeError(f"rank {self.rank} of a multi-rank engine runs engine.run_follower(), not start()")
-        thread = None
-        if background:
-            setup = thread_initializer(self.ops.name)  # the caller's settings (torch threads) on the engine thread
-            thread = threading.Thread(target=self._core.run, args=(setup,), name="hyper_gen-engine", daemon=True)
-        self._core.start(inline=not background)
-        self._thread = thread
-        if thread is not None:
-            thread.start()
+        # (setup: the caller's settings, torch's threads, on the engine thread)
+        self._core.start(inline=not background, setup=thread_initializer(self.ops.name) if background else None)
         return self
 
     def step(self) -> bool:
         """One step on the calling thread, for an engine started with ``start(background=False)``:
-        the queued messages, admissions, one token for every running row, drops. False when nothing
+        the queued messages, admissions, one token for every running row, drops; then the output
+        processor's chunks and outputs (done callbacks run here). False when nothing
         is queued or running, or while the engine is paused (no forward runs then)."""
-        if self._thread is not None:
+        if self._core.state != "new" and not self._core.inline:
             raise RuntimeError("this engine runs its own thread: step() is for start(background=False)")
         self._core.check_running()
         return self._core.step()
 
     def shutdown(self, timeout: Optional[float] = 60.0) -> None:
         """Stop: requests still queued or running end with finish_reason "abort"; the other ranks'
-        ``run_follower`` returns. Waits up to ``timeout`` s for the engine thread."""
+        ``run_follower`` returns. Waits up to ``timeout`` s for the engine thread (and as long for every
+        stream to be closed)."""
         message = self._core.stop()
-        if self._thread is None:
-            if message is not None:
-                self._core.drive(message)
-        elif self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        if self._core.inline and message is not None:
+            self._core.drive(message)
+        self._core.join(timeout)
 
     def run_follower(self) -> None:
         """Ranks other than 0 of a multi-rank model: run rank 0's steps until it shuts down."""
@@ -250,20 +225,10 @@ class Engine:
         call it on every rank, in the same order, with the same ``version`` and the same tensor names
         (the full HF-named tensors on each rank; a DTensor is made whole), on rank 0 from another
         thread than the engine's, elsewhere from another thread than the one in ``run_follower``.
-        The update lands on every rank or on none (weight_sync.py): a bad tensor, a failed
-        conversion, or a version or set of names that differs from rank 0's, on any rank, is a
-        ValueError on every rank naming the rank and its error, and the model keeps its weights.
-        No wait is unbounded: a rank waits ``engine.update_timeout_s`` seconds (the collective
-        timeout, ``$HYPER_GEN_TIMEOUT_S``, else 600) for its peers' calls. If a follower's trainer
-        never calls, every rank's call raises a ValueError naming that rank and the follower warns
-        (RuntimeWarning; its late call with that version raises the same error); a follower's call
-        that rank 0 never applies raises TimeoutError."""
-        source = getattr(self.model, "weight_source", None)  # hyper_gen.models.weight_update.WeightSource
-        if source is None:
-            raise ValueError(
-                f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(self.model).__name__}"
-            )
-        return self._core.call(self._core.weights.message(self.model, source, weights, version))
+        The update lands on every rank or on none, and no wait is unbounded: a rank waits
+        ``update_timeout_s`` for its peers' calls (weight_sync.py says what each rank raises when a
+        tensor, a conversion or a peer fails: a ValueError naming the rank on every rank)."""
+        return self._core.call(self._core.weights.message(self.model, weights, version))
 
     @property
     def update_timeout_s(self) -> float:

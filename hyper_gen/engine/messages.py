@@ -30,6 +30,10 @@ ALL = _All()  # an Abort's target: every unfinished request
 PAUSE_MODES = ("abort", "keep")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine stopped on an error of its own; the cause is chained (``__cause__``)."""
+
+
 @dataclass(eq=False)
 class Message:
     """``future``: the message's result (or error), set by the core once it is applied.
@@ -57,9 +61,10 @@ class AddRequest(Message):
 
 @dataclass(eq=False)
 class Abort(Message):
-    """End ``target`` (ALL, a request id, or a ``Request`` its stream cancels); the result is the
-    ended requests' ``RequestOutput``s in submission order. ``reply=False``: a stream's cancel, which
-    nobody waits for (allowed from any thread, silently dropped once the engine stopped)."""
+    """End ``target`` (ALL, a request id, a ``Request`` its stream cancels, or one ``Choice`` the
+    output processor found a stop string in); the result is the ended requests' ``RequestOutput``s
+    in submission order. ``reply=False``: a cancel or a stop, which nobody waits for (allowed from
+    any thread, silently dropped once the engine stopped)."""
 
     name: ClassVar[str] = "abort"
     target: Any = ALL
@@ -142,6 +147,7 @@ __all__ = [
     "PAUSE_MODES",
     "Abort",
     "AddRequest",
+    "EngineDeadError",
     "Message",
     "Pause",
     "Resume",

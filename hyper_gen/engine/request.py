@@ -1,10 +1,9 @@
-"""A request and its choices as the engine thread keeps them (host bookkeeping only)."""
+"""A request and its choices as the engine core keeps them (host bookkeeping only: token ids, no text)."""
 
 from __future__ import annotations
 
 from typing import List, Optional
 
-from .detokenize import IncrementalText
 from .params import SamplingParams
 
 
@@ -19,37 +18,33 @@ class Request:
         self.params = params
         self.noise_seed = noise_seed
         self.stream = None  # RequestStream on rank 0; None on the other ranks
+        self.state = None  # rank 0: the output processor's RequestState (output_processor.py), its alone
         self.choices: List[Choice] = []
-        self.closed = False  # output delivered (or failed / aborted)
         self.stop_ids: frozenset = frozenset()
         self.dropped: set = set()  # indices of its choices that have left the engine
         self.prompt_logprobs: Optional[list] = None  # vLLM's prompt_logprobs entries (rank 0), from its prefill
 
-    def open_choices(self, eos_ids, tokenizer) -> None:
+    def open_choices(self, eos_ids) -> None:
         """The n choices, and the ids that end one: EOS (unless ignore_eos) and stop_token_ids."""
         p = self.params
         self.stop_ids = frozenset((p.stop_token_ids or [])) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
-        self.choices = [Choice(self, i, tokenizer) for i in range(p.n)]
+        self.choices = [Choice(self, i) for i in range(p.n)]
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        """Every choice has ended in the core (its stream may still be catching up)."""
+        return bool(self.choices) and all(c.finish_reason is not None for c in self.choices)
 
 
 class Choice:
     """One of a request's n sequences; one batch row while it runs."""
 
-    def __init__(self, request: Request, index: int, tokenizer):
+    def __init__(self, request: Request, index: int):
         self.request = request
         self.index = index
-        self.token_ids: List[int] = []
-        self.logprobs: Optional[List[dict]] = [] if request.params.logprobs is not None else None
-        self.finish_reason: Optional[str] = None
-        self.text = IncrementalText(tokenizer, request.params.stop_strings)
+        self.token_ids: List[int] = []  # every id drawn (after a stop string too, until its abort arrives)
+        self.finish_reason: Optional[str] = None  # as the core ended it (rank 0; "error" on any rank)
         self.seen = None  # device (1, V) bool of ids seen so far, for the repetition penalty
-        self.routes: List = []  # per token: (moe_layers, top_k) experts, when return_routed_experts
-        # True once rank 0 alone ended it (a stop string, a cancel): its row leaves at the next plan
-        self.ended_on_rank0 = False
 
     @property
     def key(self):

@@ -9,7 +9,9 @@ its part, nothing written yet), and the ranks agree through one all-gather of a 
 that no checkpoint describes. So all of them write, or none does and every rank's call raises the
 same ValueError naming the rank that failed and why. A rank whose trainer has not called yet says
 "waiting" every heartbeat, so no collective waits past the heartbeat, and gives up after
-``timeout_s`` (its trainer's late call then raises the same error).
+``timeout_s`` (``Engine.update_timeout_s``): every rank's call raises a ValueError naming it, it
+warns (RuntimeWarning), and its trainer's late call then raises the same error. A follower's call
+that rank 0 never applies raises TimeoutError.
 
 One process is the same path with a world of one: no collective, and the update's own error (a
 failed conversion) is what the caller gets, since there is no other rank to name.
@@ -53,9 +55,15 @@ class WeightSync:
         self._missed: dict = {}  # other ranks: updates whose call never came -> the error (a late call raises)
 
     # ---- the caller's thread -------------------------------------------------------------------
-    def message(self, model, source, weights, version) -> UpdateWeights:
+    def message(self, model, weights, version) -> UpdateWeights:
         """The checked call as a message. One process: a bad tensor raises here, nothing queued; on
-        a multi-rank engine it is queued all the same, since the other ranks must hear of it."""
+        a multi-rank engine it is queued all the same, since the other ranks must hear of it. A
+        model without a ``weight_source`` (not loaded by ``hyper_gen.load_model``) is a ValueError."""
+        source = getattr(model, "weight_source", None)  # hyper_gen.models.weight_update.WeightSource
+        if source is None:
+            raise ValueError(
+                f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(model).__name__}"
+            )
         message = UpdateWeights(version=version, key=version_key(version))
         if self.rank != 0:
             with self._lock:
