@@ -65,10 +65,21 @@ def sample_candidates(scores: np.ndarray, tokens: np.ndarray, config, step, rows
     tokens in whatever batch it runs; ``step``: an int, or (B,) one per row.
     """
     scores = scores.astype(np.float64)
+    index = np.arange(scores.shape[0])
+    rows = index if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    steps = np.broadcast_to(np.asarray(step, dtype=np.int64).reshape(-1), rows.shape)
     if not (0 < config.top_k < scores.shape[1]) and config.top_p >= 1.0 and config.min_p <= 0:
-        drawn = _race_unsorted(scores, tokens, config, step, rows)
-        if drawn is not None:
+        drawn, tied = _race_unsorted(scores, tokens, config, steps, rows)
+        if not tied.any():
             return drawn
+        # a row whose race tied exactly is decided by the sorted path; the others keep their draw
+        drawn[tied] = _sorted(scores[tied], tokens[tied], config, steps[tied], rows[tied])
+        return drawn
+    return _sorted(scores, tokens, config, steps, rows)
+
+
+def _sorted(scores: np.ndarray, tokens: np.ndarray, config, steps: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``sample_candidates`` with the candidates in order (score descending, then token id)."""
     order = np.lexsort((tokens, -scores), axis=-1)
     scores = np.take_along_axis(scores, order, axis=-1)
     tokens = np.take_along_axis(tokens, order, axis=-1)
@@ -89,23 +100,21 @@ def sample_candidates(scores: np.ndarray, tokens: np.ndarray, config, step, rows
         scores = np.where(probs < config.min_p * probs[:, :1], -np.inf, scores)
     probs = _softmax(scores)
     index = np.arange(scores.shape[0])
-    rows = index if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
-    race = probs / -np.log(uniform_noise(config.seed, rows, step, tokens))
+    race = probs / -np.log(uniform_noise(config.seed, rows, steps, tokens))
     return tokens[index, race.argmax(axis=-1)]
 
 
-def _race_unsorted(scores: np.ndarray, tokens: np.ndarray, config, step, rows) -> "np.ndarray | None":
+def _race_unsorted(scores: np.ndarray, tokens: np.ndarray, config, steps, rows) -> tuple:
     """``sample_candidates`` without its sort, where no warper needs the candidates in order (every
-    candidate kept): the race's winner is the same whatever their order unless two tie exactly, and
-    then (None) the sorted path decides as always. A (B, V) sort per step was most of a sampled
-    step's cost on a 32k vocabulary."""
+    candidate kept): the race's winner is the same whatever their order unless two tie exactly, so
+    the rows that tie (the (B,) bool returned beside the (B,) draws) go to the sorted path. A (B, V)
+    sort per step was most of a sampled step's cost on a 32k vocabulary. Every step is row-wise, so
+    a row draws the same token alone or beside others."""
     if config.temperature != 1.0:
         scores = scores / config.temperature
     probs = _softmax(scores)
     index = np.arange(scores.shape[0])
-    rows = index if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
-    race = probs / -np.log(uniform_noise(config.seed, rows, step, tokens))
+    race = probs / -np.log(uniform_noise(config.seed, rows, steps, tokens))
     best = race.argmax(axis=-1)
-    if ((race == race[index, best][:, None]).sum(axis=-1) > 1).any():
-        return None
-    return tokens[index, best]
+    tied = (race == race[index, best][:, None]).sum(axis=-1) > 1
+    return tokens[index, best], tied

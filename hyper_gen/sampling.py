@@ -18,7 +18,7 @@ processor) is the row max fetched too.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,6 +27,119 @@ from .config import GenerationConfig
 from .noise import sample_candidates
 
 NEG_INF = -math.inf
+
+
+class RowSettings(NamedTuple):
+    """One row's draw: greedy, or seeded sampling with HF's warpers (what ``noise.sample_candidates``
+    reads). Rows with equal settings share ``choose``'s device work and one host draw."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+
+    @classmethod
+    def of(cls, config) -> "RowSettings":
+        """A config's draw (GenerationConfig's names); every greedy row gets the one greedy setting."""
+        if not config.do_sample:
+            return cls()
+        return cls(True, config.temperature, config.top_k, config.top_p, config.min_p, config.seed)
+
+
+def process(ops, scores, seen=None, penalty: float = 1.0, mask=None):
+    """The processors every strategy applies, in HF's order: the repetition ``penalty`` over the
+    tokens ``seen`` ((B, V) bool, None: no penalty), then -inf where ``mask`` ((1, V) or (B, V) bool:
+    the stop ids before the minimum length; None: none)."""
+    if seen is not None:
+        scores = processors.repetition_penalty(ops, scores, seen, penalty)
+    if mask is not None:
+        scores = processors.masked(ops, scores, mask)
+    return scores
+
+
+def choose(ops, scores, settings: Sequence[RowSettings], steps, noise_rows, vocab_size: int, rows=None) -> np.ndarray:
+    """(B,) host int64 next tokens from processed float32 ``scores`` (B, V), row r drawn with
+    ``settings[r]``: greedy rows share one ``argmax``; seeded rows hand their candidates (their top-k,
+    one ``topk`` per distinct k, or the whole vocabulary) to the host, where rows of equal settings
+    draw together with ``noise.sample_candidates`` keyed by (seed, ``noise_rows[r]``, ``steps[r]``).
+    ``rows``: the rows to choose for (default all; the others stay 0)."""
+    batch = len(settings)
+    tokens = np.zeros(batch, dtype=np.int64)
+    steps, noise_rows = np.asarray(steps, dtype=np.int64), np.asarray(noise_rows, dtype=np.int64)
+    groups: Dict[RowSettings, List[int]] = {}
+    for row in range(batch) if rows is None else rows:
+        groups.setdefault(settings[row], []).append(row)
+    by_k: Dict[int, list] = {}
+    for setting, members in groups.items():
+        if not setting.do_sample:
+            argmax = ops.to_numpy(ops.argmax(scores, axis=-1)).reshape(-1)
+            tokens[members] = argmax[members]
+        else:
+            by_k.setdefault(setting.top_k, []).append((setting, members))
+    for k, parts in by_k.items():
+        members = [row for _, part in parts for row in part]
+        picked = scores if members == list(range(batch)) else ops.take(scores, np.asarray(members), 0)
+        if k:
+            values, indices = ops.topk(picked, min(k, vocab_size))
+            values, indices = ops.to_numpy(values), ops.to_numpy(indices)
+        else:
+            values = ops.to_numpy(picked)
+            indices = np.broadcast_to(np.arange(values.shape[1]), values.shape)
+        at = 0
+        for setting, part in parts:
+            here = slice(at, at + len(part))
+            at += len(part)
+            tokens[part] = sample_candidates(values[here], indices[here], setting, steps[part], noise_rows[part])
+    return tokens
+
+
+class SampledRow(NamedTuple):
+    """One row of a batch with its own settings (the engine's): its draw, the noise key (``step``,
+    ``noise_row``), its repetition ``penalty`` with the (1, V) device bool of the ids it has ``seen``
+    (None without a penalty), and the ids ``masked`` this step (min tokens: its stop ids)."""
+
+    settings: RowSettings
+    step: int
+    noise_row: int
+    penalty: float = 1.0
+    seen: Any = None
+    masked: Tuple[int, ...] = ()
+
+
+def select_rows(ops, scores, batch: Sequence[SampledRow], vocab_size: int, rows=None) -> np.ndarray:
+    """(B,) host int64 tokens for rows that each have their own settings (``batch``), with the math of
+    ``TokenSelector``: ``process`` then ``choose``. Rows that need no processing choose from ``scores``
+    as they are; the others are processed together per distinct penalty (their seen masks and
+    min-token masks stacked). ``rows``: the rows to choose for (default all)."""
+    rows = list(range(len(batch))) if rows is None else list(rows)
+    settings = [row.settings for row in batch]
+    steps = [row.step for row in batch]
+    noise_rows = [row.noise_row for row in batch]
+    plain = [r for r in rows if batch[r].penalty == 1.0 and not batch[r].masked]
+    tokens = choose(ops, scores, settings, steps, noise_rows, vocab_size, plain) if plain else None
+    tokens = np.zeros(len(batch), dtype=np.int64) if tokens is None else tokens
+    by_penalty: Dict[float, List[int]] = {}
+    for r in rows:
+        if batch[r].penalty != 1.0 or batch[r].masked:
+            by_penalty.setdefault(batch[r].penalty, []).append(r)
+    for penalty, part in by_penalty.items():
+        picked = ops.take(scores, np.asarray(part), 0)
+        seen = None
+        if penalty != 1.0:
+            seen = batch[part[0]].seen if len(part) == 1 else ops.concat([batch[r].seen for r in part], 0)
+        mask = None
+        if any(batch[r].masked for r in part):
+            host = np.zeros((len(part), vocab_size), dtype=bool)
+            for i, r in enumerate(part):
+                host[i, [t for t in batch[r].masked if 0 <= t < vocab_size]] = True
+            mask = ops.asarray(host, "bool")
+        processed = process(ops, picked, seen, penalty, mask)
+        pick = [settings[r] for r in part]
+        drawn = choose(ops, processed, pick, [steps[r] for r in part], [noise_rows[r] for r in part], vocab_size)
+        tokens[part] = drawn
+    return tokens
 
 
 class TokenSelector:
@@ -40,6 +153,7 @@ class TokenSelector:
     def __init__(self, ops, config: GenerationConfig, prompt, vocab_size: int, row_offset: int = 0):
         self.ops = ops
         self.config = config
+        self.settings = RowSettings.of(config)
         self.vocab_size = vocab_size
         batch = prompt.batch_size
         self.batch_size = batch
@@ -65,11 +179,9 @@ class TokenSelector:
 
     def process(self, scores, step: int, input_ids_view=None):
         """Processors every strategy applies: repetition penalty, min_new_tokens, the user's."""
-        ops, cfg = self.ops, self.config
-        if self._seen is not None:
-            scores = processors.repetition_penalty(ops, scores, self._seen, cfg.repetition_penalty)
-        if self._eos_mask is not None and step < cfg.min_new_tokens:
-            scores = processors.masked(ops, scores, self._eos_mask)
+        cfg = self.config
+        mask = self._eos_mask if step < cfg.min_new_tokens else None
+        scores = process(self.ops, scores, self._seen, cfg.repetition_penalty, mask)
         for index, processor in enumerate(cfg.logits_processor or ()):
             scores = self._checked(processor(input_ids_view, scores), index, processor)
         return scores
@@ -123,20 +235,14 @@ class TokenSelector:
         return scores
 
     def _draw(self, scores, warped, step: int) -> np.ndarray:
-        """(B,) host int64 tokens: greedy argmax; HF-exact framework-RNG sample; or seeded host sample.
-
-        ``warped``: the warpers' output, where the caller has it (the framework-RNG draw needs it)."""
+        """(B,) host int64 tokens: HF-exact framework-RNG sample (``seed=None``, from ``warped``, the
+        warpers' output), else ``choose`` (greedy argmax, or the seeded host sample)."""
         ops, cfg = self.ops, self.config
-        if not cfg.do_sample:
-            return ops.to_numpy(ops.argmax(scores, axis=-1))
-        if cfg.seed is None:
+        if cfg.do_sample and cfg.seed is None:
             return ops.to_numpy(ops.multinomial(ops.softmax(warped, axis=-1)))
-        rows = self.row_offset + np.arange(self.batch_size)
-        if cfg.top_k:
-            values, indices = ops.topk(scores, min(cfg.top_k, self.vocab_size))
-            return sample_candidates(ops.to_numpy(values), ops.to_numpy(indices), cfg, step, rows)
-        host = ops.to_numpy(scores)
-        return sample_candidates(host, np.broadcast_to(np.arange(host.shape[1]), host.shape), cfg, step, rows)
+        batch = self.batch_size
+        rows = self.row_offset + np.arange(batch)
+        return choose(ops, scores, [self.settings] * batch, np.full(batch, step), rows, self.vocab_size)
 
     def select(
         self, scores, step: int, input_ids_view=None, active: Optional[np.ndarray] = None, wide=None

@@ -151,8 +151,10 @@ def test_preempted_rows_finish_with_generates_tokens(root, backend, one_torch_th
     model = model_of(root, "dense", backend)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(8, VOCAB, 9).tolist() for _ in range(4)]
-    per_block = Engine(model, block_size=4).stats()["bytes_per_block"]
-    with Engine(model, block_size=4, cache_memory_bytes=12 * per_block + 1, enable_prefix_caching=False) as engine:
+    probe = Engine(model, block_size=4).stats()
+    per_block, live = probe["bytes_per_block"], probe["state_slot_bytes"]  # (the budget holds the live states too)
+    budget = 12 * per_block + live + 1
+    with Engine(model, block_size=4, cache_memory_bytes=budget, enable_prefix_caching=False) as engine:
         assert engine.stats()["blocks_total"] == 12
         outs = [s.result(timeout=180) for s in [engine.submit(p, greedy(20)) for p in prompts]]
         stats = engine.stats()
@@ -164,8 +166,9 @@ def test_preempted_rows_finish_with_generates_tokens(root, backend, one_torch_th
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_request_that_can_never_fit_is_refused_at_submit(root, backend):
     model = model_of(root, "dense", backend)
-    per_block = Engine(model, block_size=4, enable_prefix_caching=False).stats()["bytes_per_block"]
-    with Engine(model, block_size=4, cache_memory_bytes=5 * per_block, enable_prefix_caching=False) as engine:
+    probe = Engine(model, block_size=4, enable_prefix_caching=False).stats()
+    budget = 5 * probe["bytes_per_block"] + probe["state_slot_bytes"]
+    with Engine(model, block_size=4, cache_memory_bytes=budget, enable_prefix_caching=False) as engine:
         with pytest.raises(ValueError, match=r"cache_memory_bytes=\d+") as refused:
             engine.submit(list(range(8, 20)), greedy(9))  # 21 positions: 6 blocks of 4
         assert "6 KV cache blocks" in str(refused.value) and "pool of 5" in str(refused.value)

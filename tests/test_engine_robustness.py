@@ -74,7 +74,7 @@ def test_an_engine_bug_kills_it_loudly_instead_of_hanging(backend, monkeypatch):
     with Engine(model, max_model_len=100) as engine:
         first = engine.submit([3, 4, 5], SamplingParams(max_tokens=50, temperature=0))
         next(iter(first))
-        monkeypatch.setattr(runner_module, "select", lambda *a, **k: {}["bug"])
+        monkeypatch.setattr(runner_module, "select_rows", lambda *a, **k: {}["bug"])
         with pytest.raises(EngineDeadError, match="KeyError"):
             first.result(timeout=60)
         deadline = time.time() + 30

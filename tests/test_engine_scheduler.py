@@ -113,11 +113,12 @@ def _host(tensor):
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
 def test_the_engine_finishes_two_prompts_that_fill_its_pool_together(tmp_path, backend, one_torch_thread):
     model = load_model(make_checkpoint(tmp_path, "dense", "float32"), backend=backend)
-    per_block = Engine(model, block_size=16).stats()["bytes_per_block"]
+    probe = Engine(model, block_size=16).stats()
+    budget = 30 * probe["bytes_per_block"] + probe["state_slot_bytes"]  # (the live Gated DeltaNet states' slots)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(8, VOCAB, n).tolist() for n in (300, 300, 40)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    with Engine(model, block_size=16, cache_memory_bytes=30 * per_block, max_num_batched_tokens=100) as engine:
+    with Engine(model, block_size=16, cache_memory_bytes=budget, max_num_batched_tokens=100) as engine:
         blocks = engine.stats()["blocks_total"]
         assert 20 <= blocks < 40, blocks  # 308 positions (20 blocks) fit alone, two do not
         first = [engine.submit(p, params) for p in prompts[:2]]

@@ -656,6 +656,7 @@ class EngineCore:
         stats["cache_memory_bytes"] = self.cache_memory_bytes
         stats["block_size"] = self.scheduler.kv.block_size
         stats["bytes_per_block"] = self.runner.layout.bytes_per_token() * self.scheduler.kv.block_size
+        stats["state_slot_bytes"] = self.runner.store.state_slots_nbytes()
         return stats
 
 

@@ -113,8 +113,10 @@ class Engine:
         slot; ``blocks_total`` / ``blocks_used`` / ``blocks_cached`` / ``blocks_free`` of the pool,
         ``kv_cache_usage`` (used / total), ``prefix_cache_queries`` and ``prefix_cache_hits``
         (prompt tokens looked up / found cached, cumulative, as vLLM counts them),
-        ``preemptions``, ``cache_memory_bytes``, ``block_size`` and ``bytes_per_block`` (K and V of
-        every attention layer for one block: a budget of N blocks is N times that)."""
+        ``preemptions``, ``cache_memory_bytes``, ``block_size``, ``bytes_per_block`` (K and V of
+        every attention layer for one block) and ``state_slot_bytes`` (a hybrid model's live Gated
+        DeltaNet states, a slot per sequence: 0 without recurrent layers). A budget of N blocks is N
+        times ``bytes_per_block`` plus ``state_slot_bytes``."""
         return self._core.stats()
 
     # ---- requests ------------------------------------------------------------------------

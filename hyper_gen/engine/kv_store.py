@@ -7,6 +7,9 @@ tensors those ints index:
   a (heads, head_dim) row: block ``b`` of the bookkeeping is pool block ``b + 1``, and pool block 0
   is the null block, whose slots every padding column of a gathered table points at (always
   masked; padding tokens of a left-padded prefill write their K/V there too);
+- per Gated DeltaNet layer, a slot pool of ``num_rows + 1`` conv windows and recurrent matrices: the
+  live states, one slot per running sequence (slot 0 is the null slot, owned by none), so a step
+  gathers its rows' states by slot and writes them back in place, whichever rows come or go;
 - per Gated DeltaNet layer, ``num_snapshots`` float copies of its conv window and recurrent
   matrix (a prefix ending at a snapshotted block boundary resumes from one).
 
@@ -105,36 +108,52 @@ def _row(spec: _Tensor) -> _Tensor:
 
 
 class KVStore:
-    """The pools of one engine; ``allocate`` / ``release`` (sleep and wake) make and drop them."""
+    """The pools of one engine; ``allocate`` / ``release`` (sleep and wake) make and drop them.
 
-    def __init__(self, ops, layout: CacheLayout, num_blocks: int, block_size: int, num_snapshots: int):
+    ``num_rows``: the sequences that run at once (``max_num_seqs``), each owning one state slot of
+    every Gated DeltaNet layer while it runs (``NULL_SLOT`` is never owned); the runner hands the
+    slots out. A step reads its rows' states with one gather a layer and writes them back with one
+    index write, so rows come and go without moving any other row's state."""
+
+    def __init__(self, ops, layout: CacheLayout, num_blocks: int, block_size: int, num_snapshots: int, num_rows: int):
         self.ops, self.layout = ops, layout
         self.num_blocks, self.block_size, self.num_snapshots = num_blocks, block_size, num_snapshots
+        self.num_rows = num_rows
         self.keys: Dict[int, Any] = {}
         self.values: Dict[int, Any] = {}
+        self.conv: Dict[int, Any] = {}  # (num_rows + 1, ...) live states, a slot a running sequence
+        self.recurrent: Dict[int, Any] = {}
         self.snapshot_conv: Dict[int, Any] = {}
         self.snapshot_recurrent: Dict[int, Any] = {}
 
     @property
     def allocated(self) -> bool:
-        return bool(self.keys) or bool(self.snapshot_recurrent)
+        return bool(self.keys) or bool(self.recurrent)
 
     def nbytes(self) -> int:
         slots = (self.num_blocks + 1) * self.block_size
-        return slots * self.layout.bytes_per_token() + self.num_snapshots * self.layout.bytes_per_state()
+        blocks = slots * self.layout.bytes_per_token()
+        return blocks + self.num_snapshots * self.layout.bytes_per_state() + self.state_slots_nbytes()
+
+    def state_slots_nbytes(self) -> int:
+        """The live-state slot pool: ``num_rows`` slots and the null one, every recurrent layer."""
+        return state_slots_nbytes(self.layout, self.num_rows)
 
     def allocate(self) -> None:
         ops, layout, slots = self.ops, self.layout, (self.num_blocks + 1) * self.block_size
         for store, specs in ((self.keys, layout.keys), (self.values, layout.values)):
             for layer, spec in specs.items():
                 store[layer] = ops.buffer((slots,) + spec.shape, spec.dtype)
+        pools = [(self.conv, layout.conv, self.num_rows + 1), (self.recurrent, layout.recurrent, self.num_rows + 1)]
         if self.num_snapshots:
-            for store, specs in ((self.snapshot_conv, layout.conv), (self.snapshot_recurrent, layout.recurrent)):
-                for layer, spec in specs.items():
-                    store[layer] = ops.buffer((self.num_snapshots,) + spec.shape, spec.dtype)
+            pools += [(self.snapshot_conv, layout.conv, self.num_snapshots)]
+            pools += [(self.snapshot_recurrent, layout.recurrent, self.num_snapshots)]
+        for store, specs, count in pools:
+            for layer, spec in specs.items():
+                store[layer] = ops.buffer((count,) + spec.shape, spec.dtype)
 
     def release(self) -> None:
-        for store in (self.keys, self.values, self.snapshot_conv, self.snapshot_recurrent):
+        for store in (self.keys, self.values, self.conv, self.recurrent, self.snapshot_conv, self.snapshot_recurrent):
             store.clear()
 
     # ---- slots -----------------------------------------------------------------------------------
@@ -152,20 +171,45 @@ class KVStore:
             for pool in store.values():
                 self.ops.write_slots(pool, dst_slots, self.ops.gather_slots(pool, src_slots))
 
+    # ---- live states -------------------------------------------------------------------------------
+    def read_states(self, slots) -> Tuple[Dict[int, Any], Dict[int, Any]]:
+        """(conv, recurrent): every recurrent layer's (len(slots), ...) states of ``slots``, gathered."""
+        index = np.asarray(slots, dtype=np.int64)
+        return (
+            {layer: self.ops.take(pool, index, 0) for layer, pool in self.conv.items()},
+            {layer: self.ops.take(pool, index, 0) for layer, pool in self.recurrent.items()},
+        )
+
+    def write_states(self, slots, conv: Dict[int, Any], recurrent: Dict[int, Any]) -> None:
+        """A forward's (len(slots), ...) states into ``slots``, one index write a layer."""
+        index = np.asarray(slots, dtype=np.int64)
+        for pools, states in ((self.conv, conv), (self.recurrent, recurrent)):
+            for layer, state in states.items():
+                self.ops.write_rows(pools[layer], index, state)
+
+    def copy_states(self, src: int, dst: List[int]) -> None:
+        """Slots ``dst`` get copies of slot ``src``'s states (a prompt forked into its choices)."""
+        self.write_states(dst, *self.read_states([src] * len(dst)))
+
     # ---- state snapshots -------------------------------------------------------------------------
-    def save_snapshot(self, slot: int, conv: Dict[int, Any], recurrent: Dict[int, Any], row: int) -> None:
-        """Row ``row`` of the live states into snapshot ``slot``."""
+    def save_snapshot(self, snapshot: int, slot: int) -> None:
+        """State slot ``slot`` into snapshot ``snapshot``."""
+        conv, recurrent = self.read_states([slot])
         for buffers, states in ((self.snapshot_conv, conv), (self.snapshot_recurrent, recurrent)):
             for layer, buffer in buffers.items():
-                self.ops.write_rows(buffer, np.asarray([slot]), self.ops.take(states[layer], np.asarray([row]), 0))
+                self.ops.write_rows(buffer, np.asarray([snapshot]), states[layer])
 
-    def load_snapshot(self, slot: int) -> Tuple[Dict[int, Any], Dict[int, Any]]:
-        """(conv, recurrent) states of one row, copies of snapshot ``slot``."""
-        take = functools.partial(self.ops.take, indices=np.asarray([slot]), axis=0)
-        return (
-            {layer: take(buffer) for layer, buffer in self.snapshot_conv.items()},
-            {layer: take(buffer) for layer, buffer in self.snapshot_recurrent.items()},
-        )
+    def load_snapshot(self, snapshot: int, slot: int) -> None:
+        """Snapshot ``snapshot`` into state slot ``slot`` (a prefix hit resumes from it)."""
+        take = functools.partial(self.ops.take, indices=np.asarray([snapshot]), axis=0)
+        conv = {layer: take(buffer) for layer, buffer in self.snapshot_conv.items()}
+        recurrent = {layer: take(buffer) for layer, buffer in self.snapshot_recurrent.items()}
+        self.write_states([slot], conv, recurrent)
+
+
+def state_slots_nbytes(layout: CacheLayout, num_rows: int) -> int:
+    """Bytes of the live-state slot pool of ``num_rows`` running sequences (and the null slot)."""
+    return (num_rows + 1) * layout.bytes_per_state()
 
 
 class Piece(NamedTuple):
@@ -253,4 +297,14 @@ def read_past(store: KVStore, read: np.ndarray) -> list:
     ]
 
 
-__all__ = ["CacheLayout", "KVStore", "PagedCache", "Piece", "NULL_SLOT", "attention_pieces", "write_past", "read_past"]
+__all__ = [
+    "CacheLayout",
+    "KVStore",
+    "PagedCache",
+    "Piece",
+    "NULL_SLOT",
+    "attention_pieces",
+    "state_slots_nbytes",
+    "write_past",
+    "read_past",
+]

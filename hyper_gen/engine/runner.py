@@ -1,12 +1,18 @@
 """The model runner: executes a ``SchedulerOutput`` on the paged pool and draws the next tokens.
 
 Every rank runs it on the output rank 0's scheduler made, so it keeps only what the forwards need:
-each sequence's block table (grown by the blocks the output names), the live Gated DeltaNet states
-(decoding rows dense in row order, so a decode step passes them whole; a prefilling sequence its
-own), and the choices that draw from each sequence's logits. Before the forward it applies what the
-last step left (state snapshots saved, partial blocks copied, prompts forked into their choices,
-sequences freed), then runs the decodes and the prefill chunks and draws tokens with each
-request's own settings (``selector.py``).
+each sequence's block table (grown by the blocks the output names), the state slot it owns in the
+store's live Gated DeltaNet state pool (a forward gathers its rows' states by slot and writes them
+back in place, so rows come and go without moving the others'), and the choices that draw from each
+sequence's logits. Before the forward it applies what the last step left (state snapshots saved,
+partial blocks copied, prompts forked into their choices, sequences freed), then runs the decodes
+and the prefill chunks and draws tokens with generate's sampler, each row with its request's own
+settings (``sampling.select_rows``: greedy rows share one argmax, seeded rows draw with
+``noise.sample_candidates`` keyed by (seed, choice index, the row's own token index), so a request
+with ``seed=s`` samples what ``generate(..., seed=s)`` samples; ``seed=None`` requests carry a seed
+drawn from fresh entropy, which every rank shares). Logprobs are vLLM's default: the raw logits'
+float32 ``log_softmax`` (before penalty and temperature); a row whose logits hold NaN or +inf, or
+are all -inf, gets an error instead of a token.
 
 The forwards go through ``PagedCache`` (``kv_store.py``): the step's K/V are written into the pool,
 and attention reads it through the rows' slots, in pieces of the backend's ``paged_columns``
@@ -27,27 +33,37 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
+from .. import processors
 from ..drivers import ForwardSignature, logits_of, past_of
 from ..kv_cache import KVCacheManager, budget
 from ..masks import min_finite, prefill_mask
 from ..outputs import RoutedExperts
 from ..parallel.model_group import gather_vocab_logits
+from ..sampling import RowSettings, SampledRow, chosen_and_top_logprobs, select_rows
 from ..scoring import position_top_logprobs
 from ..token_packing import GroupedPacking
 from .config import EngineConfig
-from .kv_store import NULL_SLOT, CacheLayout, KVStore, PagedCache, attention_pieces, read_past, write_past
+from .kv_store import (
+    NULL_SLOT,
+    CacheLayout,
+    KVStore,
+    PagedCache,
+    attention_pieces,
+    read_past,
+    state_slots_nbytes,
+    write_past,
+)
 from .outputs import ranked_entries
 from .scheduler import Scheduled, Scheduler, SchedulerOutput
-from .selector import select
 
 
 class _Prefill:
-    """A sequence computing its tokens in chunks: its choices and its live recurrent states."""
+    """A sequence computing its tokens in chunks: its choices; ``has_state``: its state slot holds
+    its recurrent states (after its first chunk, or a snapshot of its prefix)."""
 
     def __init__(self, key, request, choices: list, resume: bool):
         self.key, self.request, self.choices, self.resume = key, request, choices, resume
-        self.conv: Dict[int, Any] = {}  # (1, ...) live states of a recurrent model
-        self.recurrent: Dict[int, Any] = {}
+        self.has_state = False
 
     def tokens(self) -> List[int]:
         drawn = self.choices[0].token_ids if self.key[1] >= 0 else []
@@ -57,7 +73,8 @@ class _Prefill:
 class _Rows:
     """One forward's rows (or one group of a grouped forward): (B, S) new tokens left-padded
     (``new_valid``) after (B, W) past columns (``past_valid``), the pool slots they ``read``
-    ((B, W + S): the past, then their own) and write (the last S), their live states."""
+    ((B, W + S): the past, then their own) and write (the last S), their live states (gathered
+    from their state ``slots``, where they have any)."""
 
     def __init__(self, ids, positions, past_valid, new_valid, read, routes: bool):
         self.ids, self.positions, self.read = ids, positions, read
@@ -67,6 +84,7 @@ class _Rows:
         self.write = read[:, self.width :]
         self.conv: Dict[int, Any] = {}
         self.recurrent: Dict[int, Any] = {}
+        self.slots = np.zeros(0, dtype=np.int64)  # (B,) their state slots
         self.keep_all = np.zeros(self.batch, dtype=bool)  # rows whose every position's logits are kept
         self.order = None  # decode rows: their indices in the runner's rows
         self.items: List[Scheduled] = []  # prefill chunks: the chunks and their sequences
@@ -91,6 +109,32 @@ class StepResult:
         self.computed: set = set()
 
 
+class Selection:
+    """One draw's result: ``tokens`` (B,), per row a logprob entry (or None) and an error (or None):
+    a row whose logits hold NaN or +inf, or are all -inf, gets an error instead of a token."""
+
+    def __init__(self, batch: int):
+        self.tokens = np.zeros(batch, dtype=np.int64)
+        self.logprobs: List[Optional[dict]] = [None] * batch
+        self.errors: List[Optional[Exception]] = [None] * batch
+
+
+def _sampled_row(ops, choice, vocab_size: int) -> SampledRow:
+    """A choice's row for ``select_rows``: its request's settings (``seed=None`` requests carry a seed
+    drawn from fresh entropy, so every rank agrees), keyed by (choice index, its token index)."""
+    params = choice.request.params
+    settings = RowSettings()
+    if not params.greedy:
+        settings = RowSettings(
+            True, params.temperature, params.top_k, params.top_p, params.min_p, choice.request.noise_seed
+        )
+    if params.repetition_penalty != 1.0 and choice.seen is None:
+        choice.seen = processors.seen_tokens(ops, [choice.request.prompt + choice.token_ids], vocab_size)
+    masked = tuple(choice.request.stop_ids) if choice.step < params.min_tokens else ()
+    seen = choice.seen if params.repetition_penalty != 1.0 else None
+    return SampledRow(settings, choice.step, choice.index, params.repetition_penalty, seen, masked)
+
+
 class ModelRunner:
     """The pool, the tables and live states, the forwards and the draws; see the module docstring.
     ``request_of(serial)``: the engine's ``Request`` of that serial (every rank keeps its own)."""
@@ -104,16 +148,17 @@ class ModelRunner:
         self.request_of: Callable = lambda serial: None
         self.tables: Dict[Any, List[int]] = {}
         self.prefills: Dict[Any, _Prefill] = {}
-        self.rows: List[Any] = []  # decoding choices, in the order of the live states' rows
-        self.conv: Dict[int, Any] = {}  # (B, ...) live states, row order
-        self.recurrent: Dict[int, Any] = {}
+        self.rows: List[Any] = []  # decoding choices
+        self.slot_of: Dict[Any, int] = {}  # every live sequence's state slot (KVStore's live-state pool)
+        self.free_slots: List[int] = []
+        self._reset_slots()
         self.routed: Optional[np.ndarray] = None  # (B, moe_layers, top_k) of the last decode, when asked
         # attention reads the pool in pieces of this many columns, skipping a row's padding
         # (``Ops.paged_attention``); a backend that attends over gathered K/V instead (None) splits
         # a decode of very different lengths by ``split_padding`` (``length_groups``)
         self.paged_columns: Optional[int] = getattr(ops, "paged_columns", None)
         self.split_padding = SPLIT_PADDING
-        self.boundary_states: Dict[Any, tuple] = {}  # key -> (conv, recurrent, row) at the last step's boundary
+        self.boundary_states: Dict[Any, int] = {}  # key -> its state slot, at the last step's boundary
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.prefills)
@@ -160,7 +205,7 @@ class ModelRunner:
     def _before(self, out: SchedulerOutput) -> None:
         """What the last step left: snapshots, block copies, forks, frees; then this step's tables."""
         for key, slot in out.saves:
-            self.store.save_snapshot(slot, *self.boundary_states[key])
+            self.store.save_snapshot(slot, self.boundary_states[key])
         self.boundary_states = {}
         for copy in out.copies:
             self.store.copy_block(*copy)
@@ -177,15 +222,19 @@ class ModelRunner:
                 request = self.request_of(item.key[0])
                 choices = request.choices if item.key[1] < 0 else [request.choices[item.key[1]]]
                 self.prefills[item.key] = _Prefill(item.key, request, list(choices), item.resume)
+                self._own(item.key)
             if item.snapshot is not None:
-                entry = self.prefills[item.key]
-                entry.conv, entry.recurrent = self.store.load_snapshot(item.snapshot)
+                self.store.load_snapshot(item.snapshot, self.slot_of[item.key])
+                self.prefills[item.key].has_state = True
 
     def _fork(self, parent, children) -> None:
-        """A prompt's choices join the rows with copies of its state (their tables from the fork)."""
+        """A prompt's choices join the rows (their tables from the fork): the first takes the prompt's
+        state slot, the others copies of it in slots of their own."""
         entry = self.prefills.pop(parent, None)
         self.tables.pop(parent, None)
+        slot = self.slot_of.pop(parent, None)
         if entry is None:  # every choice was dropped meanwhile
+            self._release(slot)
             return
         joined = []
         for key, table in children:
@@ -193,17 +242,30 @@ class ModelRunner:
             if choice is not None:
                 self.tables[choice.key] = list(table)
                 joined.append(choice)
-        self._join(entry, joined)
-
-    def _join(self, entry: _Prefill, choices: list) -> None:
-        if not choices:
+        if not joined:
+            self._release(slot)
             return
-        repeat = np.zeros(len(choices), dtype=np.int64)
-        for store, states in ((self.conv, entry.conv), (self.recurrent, entry.recurrent)):
-            for layer, state in states.items():
-                rows = self.ops.take(state, repeat, 0)
-                store[layer] = rows if not self.rows else self.ops.concat([store[layer], rows], 0)
-        self.rows.extend(choices)
+        self.slot_of[joined[0].key] = slot
+        copies = [self._own(choice.key) for choice in joined[1:]]
+        if copies:
+            self.store.copy_states(slot, copies)
+        self.rows.extend(joined)
+
+    # ---- state slots -----------------------------------------------------------------------------
+    def _reset_slots(self) -> None:
+        self.slot_of = {}
+        self.free_slots = list(range(self.store.num_rows, 0, -1))  # (slot 0: the null slot)
+
+    def _own(self, key) -> int:
+        """A free state slot for sequence ``key`` (the scheduler runs at most ``num_rows`` at once)."""
+        if not self.free_slots:
+            raise RuntimeError(f"no free state slot for {key}: more than {self.store.num_rows} sequences run")
+        self.slot_of[key] = slot = self.free_slots.pop()
+        return slot
+
+    def _release(self, slot: Optional[int]) -> None:
+        if slot is not None:
+            self.free_slots.append(slot)
 
     # ---- forwards ------------------------------------------------------------------------------
     def _forward(self, rows: "_Rows"):
@@ -290,9 +352,45 @@ class ModelRunner:
     def _scores(self, logits):
         return self.ops.cast(gather_vocab_logits(self.ops, self.model, logits), "float32")
 
-    def _select(self, scores, choices):
-        vocab = self.vocab_size or int(scores.shape[-1])
-        return select(self.ops, scores, choices, vocab, logprobs=self.logprobs)
+    def _select(self, scores, choices) -> "Selection":
+        """Tokens for ``choices`` (one a row of ``scores``, (B, V) float32) with generate's sampler, each
+        with its request's settings (``sampling.select_rows``); their logprobs (rank 0)."""
+        ops, vocab = self.ops, self.vocab_size or int(scores.shape[-1])
+        out = Selection(len(choices))
+        for row, kind in processors.unusable_rows(ops, scores):
+            choice = choices[row]
+            out.errors[row] = ValueError(
+                f"request {choice.request.request_id!r} choice {choice.index}: the model's logits for token "
+                f"{choice.step} {kind}, so no token can be chosen (check the model: overflow in a low-precision dtype?)"
+            )
+        good = [row for row in range(len(choices)) if out.errors[row] is None]
+        batch = [_sampled_row(ops, choice, vocab) for choice in choices]
+        out.tokens = select_rows(ops, scores, batch, vocab, good)
+        for row in good:
+            choice, token = choices[row], int(out.tokens[row])
+            if choice.seen is not None and token < vocab:
+                index = ops.asarray(np.array([[token]], dtype=np.int64), "int64")
+                true = ops.asarray(np.ones((1, 1), dtype=bool), "bool")
+                choice.seen = processors.mark_seen(ops, choice.seen, index, vocab, true)
+        if self.logprobs:
+            self._logprobs(scores, choices, out, good)
+        return out
+
+    def _logprobs(self, scores, choices, out: "Selection", good: List[int]) -> None:
+        """vLLM's default: the raw logits' float32 log_softmax at the chosen token, and the top k."""
+        rows = [r for r in good if choices[r].request.params.logprobs is not None]
+        if not rows:
+            return
+        ops, top = self.ops, max(choices[r].request.params.logprobs for r in rows)
+        tokens = ops.asarray(out.tokens[rows][:, None], "int64")
+        chosen, values, indices = chosen_and_top_logprobs(ops, ops.take(scores, np.asarray(rows), 0), tokens, top)
+        chosen = ops.to_numpy(chosen).reshape(-1)
+        if top:
+            values, indices = ops.to_numpy(values), ops.to_numpy(indices)
+        for i, row in enumerate(rows):
+            k = choices[row].request.params.logprobs
+            pairs = [(int(indices[i, j]), float(values[i, j])) for j in range(min(k, values.shape[1]))] if k else []
+            out.logprobs[row] = {"token_id": int(out.tokens[row]), "logprob": float(chosen[i]), "top_logprobs": pairs}
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode_groups(self, items: List[Scheduled]) -> List["_Rows"]:
@@ -324,11 +422,10 @@ class ModelRunner:
             read[i, :n], read[i, width] = slots[:n], slots[n]
             past_valid[i, :n] = True
             pending[i, 0] = choice.token_ids[-1]
-        pick = (lambda t: t) if self._whole(order) else (lambda t: self.ops.take(t, order, 0))
         rows = _Rows(pending, lengths[:, None], past_valid, np.ones((b, 1), dtype=bool), read, routes)
         rows.order = order
-        rows.conv = {i: pick(t) for i, t in self.conv.items()}
-        rows.recurrent = {i: pick(t) for i, t in self.recurrent.items()}
+        rows.slots = np.asarray([self.slot_of[self.rows[i].key] for i in order], dtype=np.int64)
+        rows.conv, rows.recurrent = self.store.read_states(rows.slots)
         return rows
 
     def _decoded(self, groups: List["_Rows"], outputs, result: StepResult) -> None:
@@ -346,35 +443,17 @@ class ModelRunner:
             self._drop_rows({row.key for row in rows})
             result.errors += [(request, error) for request in {id(r.request): r.request for r in rows}.values()]
             return
-        states = [
-            outs[0][k] if len(outs) == 1 else {i: ops.concat([out[k][i] for out in outs], 0) for i in outs[0][k]}
-            for k in (1, 2)
-        ]
-        self._put_states(order, *states)
+        for group, out in zip(groups, outs):
+            self.store.write_states(group.slots, out[1], out[2])
         routed = [out[3] for out in outs]
         self.routed = None if routed[0] is None else np.concatenate(routed)
         selection = self._select(scores, rows)  # (a bug here is the engine's: it stops, loudly)
         result.samples.append((rows, selection, self.routed))
         result.computed.update(row.key for row in rows)
         if self.layout.hybrid:
-            place = {row.key: i for i, row in zip(order, rows)}
             for item in (i for g in groups for i in g.items):
-                if item.boundary:  # (copies of the dicts: a later drop replaces their tensors)
-                    self.boundary_states[item.key] = (dict(self.conv), dict(self.recurrent), place[item.key])
-
-    def _whole(self, order: np.ndarray) -> bool:
-        return len(order) == len(self.rows) and bool((order == np.arange(len(order))).all())
-
-    def _put_states(self, order, conv, recurrent) -> None:
-        if self._whole(order):
-            self.conv, self.recurrent = conv, recurrent
-            return
-        # rows that did not decode keep their state: pick each row from the old states or the new
-        picks = np.arange(len(self.rows), dtype=np.int64)
-        picks[order] = len(self.rows) + np.arange(len(order))
-        for store, states in ((self.conv, conv), (self.recurrent, recurrent)):
-            for layer, state in states.items():
-                store[layer] = self.ops.take(self.ops.concat([store[layer], state], 0), picks, 0)
+                if item.boundary:
+                    self.boundary_states[item.key] = self.slot_of[item.key]
 
     # ---- prefill -------------------------------------------------------------------------------
     def _prefill_group(self, chunks: List[Scheduled]) -> "_Rows":
@@ -400,10 +479,9 @@ class ModelRunner:
         rows = _Rows(ids, positions, past_valid, valid, read, routes)
         rows.items, rows.entries = chunks, entries
         rows.keep_all = np.asarray([item.all_logits for item in chunks], dtype=bool)
-        if entries[0].conv or entries[0].recurrent:  # rows after a past: every one has its state
-            for name in ("conv", "recurrent"):
-                layers = getattr(entries[0], name)
-                setattr(rows, name, {i: self.ops.concat([getattr(e, name)[i] for e in entries], 0) for i in layers})
+        rows.slots = np.asarray([self.slot_of[item.key] for item in chunks], dtype=np.int64)
+        if entries[0].has_state:  # rows after a past: every one has its state
+            rows.conv, rows.recurrent = self.store.read_states(rows.slots)
         return rows
 
     def _prefilled(self, groups: List["_Rows"], outputs, result: StepResult) -> None:
@@ -443,20 +521,19 @@ class ModelRunner:
         resumed choice that caught up joins the rows, to decode its pending token next)."""
         logits, conv, recurrent, routed, every = output
         b, done = rows.batch, []
+        self.store.write_states(rows.slots, conv, recurrent)
         for j, (item, entry) in enumerate(zip(rows.items, rows.entries)):
             if item.all_logits:
                 self._prompt_logprobs(entry.request, item, every[j])
-            row = np.asarray([j])
-            entry.conv = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in conv.items()}
-            entry.recurrent = {layer: t if b == 1 else self.ops.take(t, row, 0) for layer, t in recurrent.items()}
+            entry.has_state = True
             result.computed.add(item.key)
             if item.boundary and self.layout.hybrid:
-                self.boundary_states[item.key] = (entry.conv, entry.recurrent, 0)
+                self.boundary_states[item.key] = self.slot_of[item.key]
             if item.sample:
-                pick = logits if b == 1 else self.ops.take(logits, row, 0)
+                pick = logits if b == 1 else self.ops.take(logits, np.asarray([j]), 0)
                 done.append((entry, pick, None if routed is None else routed[j]))
             elif entry.resume and item.start + item.count == len(entry.tokens()) - 1:
-                self._join(self.prefills.pop(item.key), entry.choices)
+                self.rows.extend(self.prefills.pop(item.key).choices)  # (its state slot stays its own)
         return done
 
     def _prompt_logprobs(self, request, item: Scheduled, logits) -> None:
@@ -491,8 +568,8 @@ class ModelRunner:
         selection = self._select(scores, choices)
         route = None if routed is None else np.repeat(routed[None], len(choices), axis=0)
         result.samples.append((choices, selection, route))
-        if entry.key[1] >= 0:
-            self._join(self.prefills.pop(entry.key), choices)
+        if entry.key[1] >= 0:  # one choice: it decodes on in the prompt's state slot
+            self.rows.extend(self.prefills.pop(entry.key).choices)
 
     # ---- leaving -------------------------------------------------------------------------------
     def drop(self, keys) -> None:
@@ -505,32 +582,27 @@ class ModelRunner:
         self._drop_rows(keys)
 
     def free(self, key) -> None:
-        """Forget a sequence (dropped, preempted, failed): its table and states."""
+        """Forget a sequence (dropped, preempted, failed): its table, its state slot."""
         self.tables.pop(key, None)
         self.prefills.pop(key, None)
+        self._release(self.slot_of.pop(key, None))
         self._drop_rows({key})
 
     def _drop_rows(self, keys: set) -> None:
-        keep = [i for i, row in enumerate(self.rows) if row.key not in keys]
-        if len(keep) == len(self.rows):
+        if not any(row.key in keys for row in self.rows):
             return
         for row in self.rows:
             if row.key in keys:
                 self.tables.pop(row.key, None)
-        keep_array = np.asarray(keep, dtype=np.int64)
-        self.rows = [self.rows[i] for i in keep]
-        for store in (self.conv, self.recurrent):
-            for layer in list(store):
-                if keep:
-                    store[layer] = self.ops.take(store[layer], keep_array, 0)
-                else:
-                    del store[layer]
+                self._release(self.slot_of.pop(row.key, None))
+        self.rows = [row for row in self.rows if row.key not in keys]
 
     def clear(self) -> None:
         self.boundary_states = {}
         self.tables.clear()
         self.prefills.clear()
-        self._drop_rows({row.key for row in self.rows})
+        self.rows = []
+        self._reset_slots()
 
     def sleep(self) -> None:
         """Release the pool's tensors (nothing runs)."""
@@ -608,13 +680,21 @@ def build(
     layout = CacheLayout.probe(model, ops, lambda ids, **kwargs: model(ids, **signature.keep(kwargs)))
     per_block = max(layout.bytes_per_token() * block_size, 1)
     per_snapshot = layout.bytes_per_state() if layout.hybrid and enable_prefix_caching else 0
+    live_states = state_slots_nbytes(layout, max_batch_size)  # (0 without recurrent layers)
     if cache_memory_bytes is None:
         positions = max_model_len if max_model_len else 1 << 20
         needed = max_batch_size * -(-positions // block_size) * per_block
         if per_snapshot:
             needed = int(needed / (1 - budget.SNAPSHOT_SHARE)) + 1
-        cache_memory_bytes = budget.default_cache_bytes(needed, budget.available_host_bytes())
-    num_blocks, slots = budget.split_budget(cache_memory_bytes, per_block, per_snapshot, state_snapshot_blocks)
+        cache_memory_bytes = budget.default_cache_bytes(needed + live_states, budget.available_host_bytes())
+    if live_states and cache_memory_bytes < live_states + per_block:
+        raise ValueError(
+            f"cache_memory_bytes={cache_memory_bytes} cannot hold one KV cache block ({per_block} bytes) beside the "
+            f"Gated DeltaNet states of max_num_seqs={max_batch_size} sequences ({live_states} bytes): give at least "
+            f"{live_states + per_block}"
+        )
+    blocks_budget = cache_memory_bytes - live_states
+    num_blocks, slots = budget.split_budget(blocks_budget, per_block, per_snapshot, state_snapshot_blocks)
     kv = KVCacheManager(
         num_blocks,
         block_size,
@@ -623,7 +703,7 @@ def build(
         hybrid=layout.hybrid,
         num_snapshot_slots=slots,
     )
-    store = KVStore(ops, layout, num_blocks, block_size, slots)
+    store = KVStore(ops, layout, num_blocks, block_size, slots, max_batch_size)
     store.allocate()
     scheduler = Scheduler(kv, max_batch_size, config.max_num_batched_tokens, admit_batch)
     runner = ModelRunner(model, ops, dtype, layout, store, vocab_size, logprobs)
