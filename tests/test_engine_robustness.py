@@ -68,13 +68,13 @@ def test_a_model_error_fails_the_requests_in_flight_and_the_engine_goes_on(backe
 
 
 def test_an_engine_bug_kills_it_loudly_instead_of_hanging(backend, monkeypatch):
-    import hyper_gen.engine.runner as runner_module
+    import hyper_gen.engine.draws as draws_module
 
     model = backend.stub()
     with Engine(model, max_model_len=100) as engine:
         first = engine.submit([3, 4, 5], SamplingParams(max_tokens=50, temperature=0))
         next(iter(first))
-        monkeypatch.setattr(runner_module, "select_rows", lambda *a, **k: {}["bug"])
+        monkeypatch.setattr(draws_module, "select_rows", lambda *a, **k: {}["bug"])
         with pytest.raises(EngineDeadError, match="KeyError"):
             first.result(timeout=60)
         deadline = time.time() + 30

@@ -7,12 +7,7 @@ back in place, so rows come and go without moving the others'), and the choices 
 sequence's logits. Before the forward it applies what the last step left (state snapshots saved,
 partial blocks copied, prompts forked into their choices, sequences freed), then runs the decodes
 and the prefill chunks and draws tokens with generate's sampler, each row with its request's own
-settings (``sampling.select_rows``: greedy rows share one argmax, seeded rows draw with
-``noise.sample_candidates`` keyed by (seed, choice index, the row's own token index), so a request
-with ``seed=s`` samples what ``generate(..., seed=s)`` samples; ``seed=None`` requests carry a seed
-drawn from fresh entropy, which every rank shares). Logprobs are vLLM's default: the raw logits'
-float32 ``log_softmax`` (before penalty and temperature); a row whose logits hold NaN or +inf, or
-are all -inf, gets an error instead of a token.
+settings (``draws.py``).
 
 The forwards go through ``PagedCache`` (``kv_store.py``): the step's K/V are written into the pool,
 and attention reads it through the rows' slots, in pieces of the backend's ``paged_columns``
@@ -20,8 +15,7 @@ and attention reads it through the rows' slots, in pieces of the backend's ``pag
 padding, so rows of very different lengths share a forward at no padding cost). A backend that
 attends over each row's gathered K/V instead (``paged_columns`` None) splits a decode of very
 different lengths into groups (``length_groups``), since one group gathers every row padded to its
-longest.
-Fresh prompt chunks share one left-padded forward (the linear layers' ``prompt_mask`` keeps
+longest. Fresh prompt chunks share one left-padded forward (the linear layers' ``prompt_mask`` keeps
 padding out of their state, as generate does); chunks after a past share one forward per length.
 """
 
@@ -33,16 +27,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from .. import processors
 from ..drivers import ForwardSignature, logits_of, past_of
 from ..kv_cache import KVCacheManager, budget
 from ..masks import min_finite, prefill_mask
 from ..outputs import RoutedExperts
 from ..parallel.model_group import gather_vocab_logits
-from ..sampling import RowSettings, SampledRow, chosen_and_top_logprobs, select_rows
 from ..scoring import position_top_logprobs
 from ..token_packing import GroupedPacking
 from .config import EngineConfig
+from .draws import Selection, select
 from .kv_store import (
     NULL_SLOT,
     CacheLayout,
@@ -107,32 +100,6 @@ class StepResult:
         self.samples: List[tuple] = []
         self.errors: List[tuple] = []
         self.computed: set = set()
-
-
-class Selection:
-    """One draw's result: ``tokens`` (B,), per row a logprob entry (or None) and an error (or None):
-    a row whose logits hold NaN or +inf, or are all -inf, gets an error instead of a token."""
-
-    def __init__(self, batch: int):
-        self.tokens = np.zeros(batch, dtype=np.int64)
-        self.logprobs: List[Optional[dict]] = [None] * batch
-        self.errors: List[Optional[Exception]] = [None] * batch
-
-
-def _sampled_row(ops, choice, vocab_size: int) -> SampledRow:
-    """A choice's row for ``select_rows``: its request's settings (``seed=None`` requests carry a seed
-    drawn from fresh entropy, so every rank agrees), keyed by (choice index, its token index)."""
-    params = choice.request.params
-    settings = RowSettings()
-    if not params.greedy:
-        settings = RowSettings(
-            True, params.temperature, params.top_k, params.top_p, params.min_p, choice.request.noise_seed
-        )
-    if params.repetition_penalty != 1.0 and choice.seen is None:
-        choice.seen = processors.seen_tokens(ops, [choice.request.prompt + choice.token_ids], vocab_size)
-    masked = tuple(choice.request.stop_ids) if choice.step < params.min_tokens else ()
-    seen = choice.seen if params.repetition_penalty != 1.0 else None
-    return SampledRow(settings, choice.step, choice.index, params.repetition_penalty, seen, masked)
 
 
 class ModelRunner:
@@ -352,45 +319,8 @@ class ModelRunner:
     def _scores(self, logits):
         return self.ops.cast(gather_vocab_logits(self.ops, self.model, logits), "float32")
 
-    def _select(self, scores, choices) -> "Selection":
-        """Tokens for ``choices`` (one a row of ``scores``, (B, V) float32) with generate's sampler, each
-        with its request's settings (``sampling.select_rows``); their logprobs (rank 0)."""
-        ops, vocab = self.ops, self.vocab_size or int(scores.shape[-1])
-        out = Selection(len(choices))
-        for row, kind in processors.unusable_rows(ops, scores):
-            choice = choices[row]
-            out.errors[row] = ValueError(
-                f"request {choice.request.request_id!r} choice {choice.index}: the model's logits for token "
-                f"{choice.step} {kind}, so no token can be chosen (check the model: overflow in a low-precision dtype?)"
-            )
-        good = [row for row in range(len(choices)) if out.errors[row] is None]
-        batch = [_sampled_row(ops, choice, vocab) for choice in choices]
-        out.tokens = select_rows(ops, scores, batch, vocab, good)
-        for row in good:
-            choice, token = choices[row], int(out.tokens[row])
-            if choice.seen is not None and token < vocab:
-                index = ops.asarray(np.array([[token]], dtype=np.int64), "int64")
-                true = ops.asarray(np.ones((1, 1), dtype=bool), "bool")
-                choice.seen = processors.mark_seen(ops, choice.seen, index, vocab, true)
-        if self.logprobs:
-            self._logprobs(scores, choices, out, good)
-        return out
-
-    def _logprobs(self, scores, choices, out: "Selection", good: List[int]) -> None:
-        """vLLM's default: the raw logits' float32 log_softmax at the chosen token, and the top k."""
-        rows = [r for r in good if choices[r].request.params.logprobs is not None]
-        if not rows:
-            return
-        ops, top = self.ops, max(choices[r].request.params.logprobs for r in rows)
-        tokens = ops.asarray(out.tokens[rows][:, None], "int64")
-        chosen, values, indices = chosen_and_top_logprobs(ops, ops.take(scores, np.asarray(rows), 0), tokens, top)
-        chosen = ops.to_numpy(chosen).reshape(-1)
-        if top:
-            values, indices = ops.to_numpy(values), ops.to_numpy(indices)
-        for i, row in enumerate(rows):
-            k = choices[row].request.params.logprobs
-            pairs = [(int(indices[i, j]), float(values[i, j])) for j in range(min(k, values.shape[1]))] if k else []
-            out.logprobs[row] = {"token_id": int(out.tokens[row]), "logprob": float(chosen[i]), "top_logprobs": pairs}
+    def _select(self, scores, choices) -> Selection:
+        return select(self.ops, scores, choices, self.vocab_size or int(scores.shape[-1]), self.logprobs)
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode_groups(self, items: List[Scheduled]) -> List["_Rows"]:
