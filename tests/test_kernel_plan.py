@@ -136,9 +136,10 @@ TIMED_SHAPES = dict(
 )
 
 
-def _processes(path, backend, kernels, count, cache):
-    """``count`` fresh processes, two at a time, the first two beside a busy-looping one (under
-    auto they are the ones that time; later ones read the plan they cached): their JSON lines."""
+def _processes(path, backend, modes, count, cache):
+    """``count`` fresh processes, two at a time, each loading under each of ``modes`` in turn, the
+    first two beside a busy-looping one (under auto they are the ones that time; later ones read the
+    plan they cached): their JSON lines, ``{mode: result}``."""
     env = dict(_env(), HYPER_GEN_CACHE_DIR=cache)
     script = os.path.join(REPO, "tests", "kernel_plan_run.py")
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -147,7 +148,7 @@ def _processes(path, backend, kernels, count, cache):
         for _ in range(0, count, 2):
             runs = [
                 subprocess.Popen(
-                    [sys.executable, script, path, backend, kernels],
+                    [sys.executable, script, path, backend, ",".join(modes)],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
@@ -170,17 +171,17 @@ def _processes(path, backend, kernels, count, cache):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
 def test_fresh_processes_give_bitwise_the_same_logits(tmp_path, backend):
-    """Six processes under auto (the first two time the shapes concurrently, under load), then the
-    plan they share pinned, and plain: each mode's logits bitwise equal in every process."""
+    """Four processes under auto (the first two time the shapes concurrently, under load; the other
+    two read the plan they cached), each then loading the plan it ran pinned (beside an empty cache)
+    and plain: each mode's logits bitwise equal in every process, the pinned ones auto's."""
     path = make_checkpoint(tmp_path, "dense", text_overrides=TIMED_SHAPES)
-    cache = str(tmp_path / "cache")
-    auto = _processes(path, backend, "auto", 6, cache)
+    runs = _processes(path, backend, ("auto", "pinned", "plain"), 4, str(tmp_path / "cache"))
+    auto = [r["auto"] for r in runs]
     assert len({r["logits"] for r in auto}) == 1, [r["plan"] for r in auto]
     assert all(r["tokens"] == auto[0]["tokens"] and r["plan"] == auto[0]["plan"] for r in auto)
     assert auto[0]["plan"], "no shape of this model was planned: the test would prove nothing"
-    pinned_file = tmp_path / "plan.json"
-    pinned_file.write_text(json.dumps({"backend": backend, "choices": auto[0]["plan"]}))
-    pinned = _processes(path, backend, str(pinned_file), 2, str(tmp_path / "empty-cache"))
-    assert {r["logits"] for r in pinned} == {auto[0]["logits"]} and pinned[0]["mode"] == "pinned"
-    plain = _processes(path, backend, "plain", 2, cache)
-    assert len({r["logits"] for r in plain}) == 1 and plain[0]["plan"] == {}
+    pinned = [r["pinned"] for r in runs]
+    assert {r["logits"] for r in pinned} == {auto[0]["logits"]} and {r["mode"] for r in pinned} == {"pinned"}
+    assert all(r["plan"] == auto[0]["plan"] for r in pinned)
+    plain = [r["plain"] for r in runs]
+    assert len({r["logits"] for r in plain}) == 1 and all(r["plan"] == {} for r in plain)

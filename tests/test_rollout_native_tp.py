@@ -18,17 +18,32 @@ def _result(text):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def _single(backend):
-    result = subprocess.run(
-        [sys.executable, SCRIPT, "1", backend], capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return _result(result.stdout)
+# the script at tp=1 for each backend given, one after another in one process (a process per backend
+# paid its framework imports twice over on 2 cores); rank 0 of each prints its RESULT line in turn
+SINGLE = r"""
+import runpy, sys
+script, backends = sys.argv[1], sys.argv[2:]
+for backend in backends:
+    sys.argv = [script, "1", backend]
+    runpy.run_path(script, run_name="__main__")
+"""
 
 
 @pytest.fixture(scope="module")
 def single():
-    return {backend: _single(backend) for backend in ("torch", "mindspore")}
+    backends = ("torch", "mindspore")
+    result = subprocess.run(
+        [sys.executable, "-c", SINGLE, SCRIPT, *backends],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == len(backends), result.stdout[-3000:]
+    return {backend: json.loads(line[len("RESULT ") :]) for backend, line in zip(backends, lines)}
 
 
 def _same(tp2, one):

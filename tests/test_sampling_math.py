@@ -58,7 +58,14 @@ def test_draw_frequencies_follow_probabilities():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     scores = np.log(probs)[None, :]
     cfg = GenerationConfig(do_sample=True, seed=3, top_k=0)
-    draws = np.array([sample_candidates(scores, np.arange(4)[None, :], cfg, step)[0] for step in range(20000)])
+    # row 0's draws at steps 0..19999, in one call of 20000 rows (a step per row, every row keyed as row 0):
+    # the draws a step-by-step loop makes, as its first steps show
+    steps = np.arange(20000)
+    draws = sample_candidates(
+        np.repeat(scores, len(steps), 0), np.tile(np.arange(4), (len(steps), 1)), cfg, steps, 0 * steps
+    )
+    looped = [sample_candidates(scores, np.arange(4)[None, :], cfg, step)[0] for step in range(50)]
+    np.testing.assert_array_equal(draws[:50], looped)
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq, probs, atol=0.015)
 

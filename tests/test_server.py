@@ -1,8 +1,8 @@
 """``hyper-gen serve`` through the official ``openai`` client and ``curl``, on both backends.
 
 Each backend's server is a real ``python -m hyper_gen serve --port 0`` process (so MindSpore and
-torch never share one); what it must answer is computed by plain ``hyper_gen.generate`` in
-another process (``dist_scripts/serve_expected.py``), one prompt at a time.
+torch never share one); what it must answer is computed by plain ``hyper_gen.generate`` in the
+test process (``dist_scripts/serve_expected.py``), one prompt at a time.
 """
 
 import json
@@ -16,7 +16,7 @@ import threading
 import openai
 import pytest
 from demo_task import DEMO_MODEL_DIR, make_prompts
-from launch import REPO, _env, script
+from launch import REPO, _env
 
 READY = re.compile(r"hyper-gen serve: (http://\S+)/v1 ")
 
@@ -94,18 +94,9 @@ def post(url, body: str, *extra) -> tuple:
 
 def expected(backend, prompts, max_tokens, seed=None):
     """Generated token ids per prompt from plain generate (EOS included where it ended)."""
-    job = json.dumps({"backend": backend, "prompts": prompts, "max_tokens": max_tokens, "seed": seed})
-    result = subprocess.run(
-        [sys.executable, script("serve_expected.py")],
-        input=job,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=_env(),
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    from dist_scripts.serve_expected import expected as reference
+
+    return reference(backend, [list(ids) for ids in prompts], max_tokens, seed)
 
 
 @pytest.fixture(scope="module")

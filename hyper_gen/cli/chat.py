@@ -70,6 +70,7 @@ def fit_context(tokenizer, messages, context, max_new_tokens):
 
 
 def run_chat(args) -> int:
+    generation_config(args, {})  # the sampling flags checked before any framework loads (no defaults needed)
     model, tokenizer, defaults = load_everything(args)
     config = generation_config(args, defaults)
     ops = host_ops(args.backend)

@@ -35,6 +35,7 @@ def run_generate(args) -> int:
         raise UsageError("--output is for --input FILE.jsonl jobs; --prompt prints to stdout")
     # the job's paths and files are checked before the model loads, by every rank alike
     job = open_job(args.input, args.output) if args.input else None
+    generation_config(args, {})  # the sampling flags checked before any framework loads (no defaults needed)
     model, tokenizer, defaults = load_everything(args)
     config = generation_config(args, defaults)
     rank0 = rank(args.backend) == 0
