@@ -49,6 +49,7 @@ from .messages import (
     Abort,
     AddRequest,
     EngineDeadError,
+    FlushCache,
     Message,
     Pause,
     Resume,
@@ -396,6 +397,13 @@ class EngineCore:
                     resolve(message, error=_busy(busy))
                 else:
                     self._boundary, self._sleep_planned = message, True
+            elif isinstance(message, FlushCache):
+                busy = [r for r in (*self.live.values(), *self.waiting) if not r.finished and r not in aborted]
+                if busy:
+                    error = RuntimeError(f"flush_cache: {len(busy)} request(s) are running or queued")
+                    resolve(message, error=error)
+                else:  # rank 0's scheduler alone looks prefixes up: nothing to share with the other ranks
+                    resolve(message, self.scheduler.kv.reset(self.scheduler.kv.prefix.extra_key))
             elif isinstance(message, WakeUp):
                 if self.asleep:
                     self._boundary = message

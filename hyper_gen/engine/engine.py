@@ -21,7 +21,7 @@ from ..registry import backend_for, thread_initializer
 from .checks import check_engine_model, check_prompt_ids, check_request, model_limits
 from .config import EngineConfig, resolve_engine_config
 from .core import EngineCore, EngineDeadError
-from .messages import ALL, PAUSE_MODES, Abort, AddRequest, Pause, Resume, Sleep, WakeUp
+from .messages import ALL, PAUSE_MODES, Abort, AddRequest, FlushCache, Pause, Resume, Sleep, WakeUp
 from .output_processor import OutputProcessor
 from .params import SamplingParams
 from .request import Request
@@ -251,6 +251,11 @@ class Engine:
         if not isinstance(abort, bool):
             raise TypeError(f"abort must be a bool, got {abort!r}")
         return self._core.call(Sleep(abort=abort))
+
+    def flush_cache(self) -> int:
+        """Drop every cached prefix at the next step boundary (SGLang's ``flush_cache``); returns the
+        number of cached blocks dropped. Refused (RuntimeError) while requests run or wait."""
+        return self._core.call(FlushCache())
 
     def wake_up(self) -> None:
         """Allocate the KV cache pool again after ``sleep()`` (a no-op when awake)."""

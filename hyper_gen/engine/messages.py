@@ -121,6 +121,14 @@ class WakeUp(Message):
 
 
 @dataclass(eq=False)
+class FlushCache(Message):
+    """Drop the prefix cache (SGLang's ``flush_cache``); refused while requests run or wait. The
+    result is the number of cached blocks dropped."""
+
+    name: ClassVar[str] = "flush_cache"
+
+
+@dataclass(eq=False)
 class Shutdown(Message):
     """End every request still queued or running (finish_reason "abort") and stop."""
 
@@ -148,6 +156,7 @@ __all__ = [
     "Abort",
     "AddRequest",
     "EngineDeadError",
+    "FlushCache",
     "Message",
     "Pause",
     "Resume",

@@ -313,6 +313,7 @@ class OutputProcessor:
             completion_tokens=sum(len(c.token_ids) for c in state.choices),
             weight_version=version,
             prompt_logprobs=request.prompt_logprobs,
+            cached_tokens=int(getattr(request, "cached_tokens", 0)),
         )
 
 

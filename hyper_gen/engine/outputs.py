@@ -66,6 +66,7 @@ class RequestOutput:
     # (ChoiceOutput.logprobs' format, plus its "rank") of that token given the tokens before it, with the top k;
     # None when not asked
     prompt_logprobs: Optional[List[Optional[dict]]] = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission (SGLang's cached_tokens)
 
 
 def logprob_entry(token_id: int, logprob: float, top_logprobs) -> dict:

@@ -23,6 +23,7 @@ class Request:
         self.stop_ids: frozenset = frozenset()
         self.dropped: set = set()  # indices of its choices that have left the engine
         self.prompt_logprobs: Optional[list] = None  # vLLM's prompt_logprobs entries (rank 0), from its prefill
+        self.cached_tokens = 0  # rank 0: prompt tokens its first admission found in the prefix cache
 
     def open_choices(self, eos_ids) -> None:
         """The n choices, and the ids that end one: EOS (unless ignore_eos) and stop_token_ids."""

@@ -307,6 +307,7 @@ class Scheduler:
             count = self._chunk_end(seq, budget) - seq.num_computed_tokens
             if seq.request.serial not in self._seen:
                 self._seen.add(seq.request.serial)
+                seq.request.cached_tokens = allocation.num_computed_tokens
                 out.new_requests.append(seq.request.serial)
             self._schedule(seq, count, out, first=(allocation.block_table, allocation.snapshot_slot))
             budget -= count

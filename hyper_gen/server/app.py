@@ -5,6 +5,10 @@ by whoever owns it (``hyper_gen.server.launch``, a test). Endpoints: ``POST /v1/
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``;
 ``GET /metrics`` (Prometheus, ``metrics.py``); vLLM's ``POST /sleep`` (``?abort=true``),
 ``POST /wake_up`` and ``GET /is_sleeping`` (the engine frees its KV cache and takes it back).
+SGLang's native protocol, for RL trainers: ``POST /generate`` (``sglang.py``) and the control
+endpoints (``control.py``): ``GET /get_weight_version``, ``POST /pause_generation``,
+``/continue_generation``, ``/abort_request``, ``/flush_cache``, ``/release_memory_occupation``,
+``/resume_memory_occupation``, ``/update_weights_from_disk``.
 Request bodies are read by ``body.read_json`` (content type, size, JSON, strict types).
 """
 
@@ -17,12 +21,14 @@ from fastapi.responses import JSONResponse, Response
 
 from hyper_gen import __version__
 
-from . import errors
+from . import control, errors
 from .body import read_json
 from .chat import create_chat_completion
 from .completions import create_completion
 from .metrics import CONTENT_TYPE, exposition, registry_for
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .sglang import generate
+from .sglang_protocol import AbortRequest, DiskUpdateRequest, EmptyRequest, GenerateRequest, MemoryRequest, PauseRequest
 from .state import ServerState
 
 
@@ -85,7 +91,60 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: Optional[int] 
         request = await read_json(http_request, ChatCompletionRequest, "messages")
         return await create_chat_completion(state, request, http_request)
 
+    _native_routes(app, state)
     return app
+
+
+async def _optional_body(http_request: Request, model):
+    """A control endpoint's body: none (or an empty one) is every field at its default."""
+    if not (await http_request.body()).strip():
+        return model()
+    return await read_json(http_request, model, "")
+
+
+def _native_routes(app: FastAPI, state: ServerState) -> None:
+    """SGLang's native endpoints (see the module docstring)."""
+
+    @app.post("/generate")
+    async def native_generate(http_request: Request):
+        request = await read_json(http_request, GenerateRequest, "input_ids")
+        return await generate(state, request, http_request)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return control.weight_version(state)
+
+    @app.post("/pause_generation")
+    async def pause_generation(http_request: Request):
+        return await control.pause(state, await _optional_body(http_request, PauseRequest))
+
+    @app.post("/continue_generation")
+    async def continue_generation(http_request: Request):
+        await _optional_body(http_request, EmptyRequest)
+        return await control.resume(state)
+
+    @app.post("/abort_request")
+    async def abort_request(http_request: Request):
+        return await control.abort(state, await _optional_body(http_request, AbortRequest))
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        return await control.flush_cache(state)
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(http_request: Request):
+        await _optional_body(http_request, MemoryRequest)
+        return await control.release_memory(state)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(http_request: Request):
+        await _optional_body(http_request, MemoryRequest)
+        return await control.resume_memory(state)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(http_request: Request):
+        request = await read_json(http_request, DiskUpdateRequest, "model_path")
+        return await control.update_from_disk(state, request)
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")

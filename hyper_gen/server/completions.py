@@ -1,7 +1,10 @@
 """``POST /v1/completions``: one or more prompts, n choices each, whole or streamed.
 
 Choice ``i * n + j`` is prompt ``i``'s ``j``-th sample (as vLLM numbers them). Usage counts each
-prompt once and every generated token.
+prompt once and every generated token. vLLM's ``return_token_ids``: each choice carries its
+prompt's ids (``prompt_token_ids``, as the engine took them: ids sent are never re-tokenized) and
+the ids it generated (``token_ids``, an EOS or stop token that ended it included); streamed, each
+chunk carries its new ids and a choice's first chunk its prompt's ids.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
     prompt_tokens = sum(len(p) for p in prompts)
     want_logprobs = request.logprobs is not None
     if request.stream:
-        return EventStream(_events(state, request, requests, head, prompt_tokens, want_logprobs), requests)
+        return EventStream(_events(state, request, requests, head, prompts, want_logprobs), requests)
 
     watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
     choices, aligners, generated = {}, {}, 0
@@ -45,6 +48,10 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
             index = i * request.n + chunk.index
             choice = choices.setdefault(index, CompletionChoice(index=index, text=""))
             choice.text += chunk.text or ""
+            if request.return_token_ids:
+                if choice.token_ids is None:
+                    choice.prompt_token_ids, choice.token_ids = list(prompts[i]), []
+                choice.token_ids += [int(t) for t in chunk.token_ids]
             generated += len(chunk.token_ids)
             if want_logprobs:
                 aligner = aligners.setdefault(index, state.tokens.choice())
@@ -73,10 +80,12 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
     return CompletionResponse(**head, choices=ordered, usage=_usage(prompt_tokens, generated))
 
 
-async def _events(state, request, requests, head, prompt_tokens, want_logprobs):
+async def _events(state, request, requests, head, prompts, want_logprobs):
     options = request.stream_options
     usage_each = bool(options and options.continuous_usage_stats)
-    aligners, generated = {}, 0
+    prompt_tokens = sum(len(p) for p in prompts)
+    aligners, generated, started = {}, 0, set()
+    ids = request.return_token_ids
     try:
         async for i, chunk in requests.chunks():
             index = i * request.n + chunk.index
@@ -85,7 +94,7 @@ async def _events(state, request, requests, head, prompt_tokens, want_logprobs):
             if want_logprobs:
                 entries = aligners.setdefault(index, state.tokens.choice()).add(chunk)
                 logprobs = state.tokens.completion(entries) if entries else None
-            if not (chunk.text or chunk.finished or logprobs):
+            if not (chunk.text or chunk.finished or logprobs or (ids and chunk.token_ids)):
                 continue
             if want_logprobs and logprobs is None:
                 logprobs = state.tokens.completion([])
@@ -95,6 +104,11 @@ async def _events(state, request, requests, head, prompt_tokens, want_logprobs):
                 logprobs=logprobs,
                 finish_reason=chunk.finish_reason if chunk.finished else None,
             )
+            if ids:
+                choice.token_ids = [int(t) for t in chunk.token_ids]
+                if index not in started:
+                    started.add(index)
+                    choice.prompt_token_ids = list(prompts[i])
             usage = _usage(prompt_tokens, generated) if usage_each else None
             yield sse(CompletionResponse(**head, choices=[choice], usage=usage))
         if options and options.include_usage:

@@ -99,6 +99,10 @@ _UNION_SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids (integers) or a list of lists of token ids",
     "stop": "a string or a list of strings",
     "content": 'a string or a list of text parts ({"type": "text", "text": ...})',
+    "input_ids": "a list of token ids (integers) or a list of lists of token ids",  # SGLang's /generate
+    "text": "a string or a list of strings",
+    "sampling_params": "an object or a list of objects (one per prompt)",
+    "rid": "a string or a list of strings (one per prompt)",
 }
 
 # pydantic's error kind -> what the value must be

@@ -45,6 +45,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: Optional[List[int]] = None
     min_tokens: int = Field(0, ge=0)
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
 
 
 class CompletionRequest(_SamplingFields):
@@ -117,6 +118,9 @@ class CompletionChoice(BaseModel):
     finish_reason: Optional[str] = None
     # vLLM's: None for the first prompt token, then {token id as a string: PromptLogprob} (the prompt token, top k)
     prompt_logprobs: Optional[List[Optional[Dict[str, PromptLogprob]]]] = None
+    # vLLM's return_token_ids: the prompt's ids as the engine took them, the ids generated (an EOS that ended it too)
+    prompt_token_ids: Optional[List[int]] = None
+    token_ids: Optional[List[int]] = None
 
 
 class CompletionResponse(BaseModel):
@@ -152,6 +156,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[List[int]] = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -163,6 +168,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Optional[Usage] = None
     # vLLM's, at the top level (one prompt per request): as CompletionChoice.prompt_logprobs, of the templated prompt
     prompt_logprobs: Optional[List[Optional[Dict[str, PromptLogprob]]]] = None
+    prompt_token_ids: Optional[List[int]] = None  # vLLM's return_token_ids: the templated prompt's ids
 
 
 class DeltaMessage(BaseModel):
@@ -175,6 +181,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[List[int]] = None  # vLLM's return_token_ids: this chunk's new ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -184,6 +191,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: List[ChatChunkChoice]
     usage: Optional[Usage] = None
+    prompt_token_ids: Optional[List[int]] = None  # vLLM's return_token_ids: on the first chunk
 
 
 class ModelCard(BaseModel):

@@ -114,18 +114,25 @@ class ServerState:
     def submit(self, prompts: List[List[int]], params, param: str) -> Requests:
         """Every prompt queued, or none: the engine's rejection (a prompt too long for the
         context, ...) cancels what was already queued and becomes a 400 naming ``param``."""
+        return self.submit_each([(ids, params, uuid.uuid4().hex) for ids in prompts], param)
+
+    def submit_each(self, items, param: str) -> Requests:
+        """``submit`` for ``[(prompt ids, params, request id), ...]``, each with its own params and id."""
         if self.closing:
             raise shutting_down()
         if self.sleeping:
             raise engine_sleeping()
         streams = []
         try:
-            for ids in prompts:
-                streams.append(self.engine.submit(ids, params, request_id=f"{uuid.uuid4().hex}"))
+            for ids, params, request_id in items:
+                streams.append(self.engine.submit(ids, params, request_id=request_id))
         except (ValueError, TypeError) as exc:
             for stream in streams:
                 stream.cancel()
-            field = field_named(str(exc), ("prompt", "prompt_token_ids", "n", "stop", "stop_token_ids", "max_tokens"))
+            field = field_named(
+                str(exc),
+                ("prompt", "prompt_token_ids", "n", "stop", "stop_token_ids", "max_tokens", "return_routed_experts"),
+            )
             raise bad_value(param if field.startswith("prompt") or not field else field, str(exc)) from None
         except RuntimeError as exc:  # the engine is shutting down, has stopped, or fell asleep meanwhile
             for stream in streams:
