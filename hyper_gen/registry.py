@@ -31,6 +31,13 @@ and, for the benchmarks (which ask the adapter for a capability, never compare b
 - ``fixed_logits_model(logits)``: a model of the framework whose forward only returns ``logits``
   (the generate loop's own cost, ``bench loop``).
 
+Optional, asked for with ``getattr`` (a server answers what an adapter lacks with a 400):
+
+- ``join_weight_group(model, master_address, master_port, rank, world_size, group_name, backend,
+  timeout_s)``: join a trainer's weight-update group (SGLang's ``/init_weights_update_group``),
+  returning a group with ``receive(specs, timeout_s)`` and ``destroy()``; ``weight_dtype_is_floating(text)``
+  (a ValueError for a dtype it does not know); ``WEIGHT_GROUP_BACKENDS``.
+
 The torch adapter also offers ``cpu_products(x, w)``, the float32 CPU products its kernels run
 (``bench models`` times the host's anchors with torch), and ``load_sharded(path, dtype, sharder)``:
 an HF model sharded over the job's ranks by one of its ``Backend.sharders`` (``--shard``).
@@ -81,6 +88,14 @@ def adapter(name: str):
 def imported_adapters() -> List[Any]:
     """Adapters of every framework already imported (the only ones a foreign object can belong to)."""
     return [importlib.import_module(b.package) for b in BACKENDS.values() if b.framework in sys.modules]
+
+
+def adapter_of(obj: Any):
+    """The adapter of the first imported framework that claims ``obj`` (a model or a tensor), or None."""
+    for adapter_module in imported_adapters():
+        if obj is not None and adapter_module.ops_for(obj) is not None:
+            return adapter_module
+    return None
 
 
 def backend_for(*objects: Any):

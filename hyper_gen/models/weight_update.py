@@ -206,6 +206,32 @@ def check(model, weights: Iterable) -> WeightUpdate:
     return WeightUpdate(model, source, arrays)
 
 
+def model_shapes(model) -> Dict[str, tuple]:
+    """name -> full checkpoint shape of every tensor ``update_weights`` takes for ``model`` (a
+    ValueError for a model not loaded by ``load_model``): what a server checks a trainer's
+    announced tensors against before it receives them."""
+    source = getattr(model, "weight_source", None)
+    if not isinstance(source, WeightSource):
+        raise ValueError(
+            f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(model).__name__}"
+        )
+    return expected_shapes(source.family.describe(source.checkpoint, model.config, model.tp_plan))
+
+
+def announced_problem(shapes: Dict[str, tuple], name: str, shape) -> tuple:
+    """``(field, message)`` when the tensor ``name`` of shape ``shape`` cannot update a model whose
+    tensors are ``shapes`` (``model_shapes``): ``names`` for a name it lacks, ``shapes`` for a
+    shape that disagrees; ``(None, None)`` when it can (a vision tower / MTP weight, skipped, too)."""
+    normal = normalised_name(name)
+    if normal.startswith(_SKIPPED_PREFIXES):
+        return None, None
+    if normal not in shapes:
+        return "names", f"{name!r} is not a weight of this model's checkpoint"
+    if tuple(shape) != tuple(shapes[normal]):
+        return "shapes", f"{name!r} has shape {tuple(shape)}, the model's is {tuple(shapes[normal])}"
+    return None, None
+
+
 def update_weights(model, weights: Iterable) -> int:
     """Write ``weights``, an iterable (or dict) of ``(name, tensor)`` with the HF checkpoint's names
     (torch / MindSpore tensors, numpy arrays, torch DTensors: their full tensor), a subset or all of
@@ -219,4 +245,12 @@ def update_weights(model, weights: Iterable) -> int:
     return check(model, weights).apply()
 
 
-__all__ = ["UpdateSource", "WeightSource", "WeightUpdate", "check", "update_weights"]
+__all__ = [
+    "UpdateSource",
+    "WeightSource",
+    "WeightUpdate",
+    "announced_problem",
+    "check",
+    "model_shapes",
+    "update_weights",
+]

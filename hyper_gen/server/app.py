@@ -8,7 +8,9 @@ by whoever owns it (``hyper_gen.server.launch``, a test). Endpoints: ``POST /v1/
 SGLang's native protocol, for RL trainers: ``POST /generate`` (``sglang.py``) and the control
 endpoints (``control.py``): ``GET /get_weight_version``, ``POST /pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/flush_cache``, ``/release_memory_occupation``,
-``/resume_memory_occupation``, ``/update_weights_from_disk``.
+``/resume_memory_occupation``, ``/update_weights_from_disk``; the weights a trainer pushes
+(``weight_sync.py``): ``POST /init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/update_weights_from_tensor``.
 Request bodies are read by ``body.read_json`` (content type, size, JSON, strict types).
 """
 
@@ -21,14 +23,25 @@ from fastapi.responses import JSONResponse, Response
 
 from hyper_gen import __version__
 
-from . import control, errors
+from . import control, errors, weight_sync
 from .body import read_json
 from .chat import create_chat_completion
 from .completions import create_completion
 from .metrics import CONTENT_TYPE, exposition, registry_for
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .sglang import generate
-from .sglang_protocol import AbortRequest, DiskUpdateRequest, EmptyRequest, GenerateRequest, MemoryRequest, PauseRequest
+from .sglang_protocol import (
+    AbortRequest,
+    DestroyGroupRequest,
+    DiskUpdateRequest,
+    DistributedUpdateRequest,
+    EmptyRequest,
+    GenerateRequest,
+    InitGroupRequest,
+    MemoryRequest,
+    PauseRequest,
+    TensorUpdateRequest,
+)
 from .state import ServerState
 
 
@@ -145,6 +158,28 @@ def _native_routes(app: FastAPI, state: ServerState) -> None:
     async def update_weights_from_disk(http_request: Request):
         request = await read_json(http_request, DiskUpdateRequest, "model_path")
         return await control.update_from_disk(state, request)
+
+    groups = weight_sync.WeightGroups(state.engine)
+    app.state.weight_groups = groups
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(http_request: Request):
+        return await groups.init(await read_json(http_request, InitGroupRequest, "master_address"))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(http_request: Request):
+        request = await read_json(http_request, DistributedUpdateRequest, "names")
+        return await groups.update(lambda: control.abort_everything(state), request)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(http_request: Request):
+        return await groups.destroy(await _optional_body(http_request, DestroyGroupRequest))
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(http_request: Request):
+        max_bytes = weight_sync.MAX_TENSOR_BODY_BYTES
+        request = await read_json(http_request, TensorUpdateRequest, "serialized_named_tensors", max_bytes)
+        return await weight_sync.update_from_tensor(state, request)
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")

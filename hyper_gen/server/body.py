@@ -37,9 +37,9 @@ def _content_type_error(content_type: Optional[str]) -> Optional[APIError]:
     )
 
 
-def _too_large(size: str) -> APIError:
+def _too_large(size: str, limit: int = MAX_BODY_BYTES) -> APIError:
     return APIError(
-        f"the request body is {size} bytes, more than the {MAX_BODY_BYTES} bytes this server reads",
+        f"the request body is {size} bytes, more than the {limit} bytes this server reads",
         status=413,
         code="request_too_large",
     )
@@ -82,20 +82,21 @@ def lone_surrogate(value) -> Optional[tuple]:
     return None
 
 
-async def read_json(request, model: Type[Model], required: str) -> Model:
+async def read_json(request, model: Type[Model], required: str, max_bytes: int = MAX_BODY_BYTES) -> Model:
     """The body of ``request`` validated as ``model`` (strict JSON types); ``required``: the
-    parameter the endpoint cannot do without, named when the body is empty."""
+    parameter the endpoint cannot do without, named when the body is empty; ``max_bytes``: the
+    largest body taken (a 413 past it)."""
     error = _content_type_error(request.headers.get("content-type"))
     if error is not None:
         raise error
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large(declared)
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(declared, max_bytes)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise _too_large(f"at least {len(body)}")
+        if len(body) > max_bytes:
+            raise _too_large(f"at least {len(body)}", max_bytes)
     if not body.strip():
         raise APIError(
             f"the request body is empty: {request.method} {request.url.path} takes a JSON object "

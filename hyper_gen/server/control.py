@@ -82,6 +82,11 @@ async def resume_memory(state: ServerState) -> dict:
     return {"success": True, "message": "KV cache resumed."}
 
 
+def abort_everything(state: ServerState) -> list:
+    """``engine.abort_all()`` (from a worker thread): the outputs of the requests it ended."""
+    return _method(state, "abort_all", "abort_all_requests")()
+
+
 def _read_checkpoint(path: str):
     from hyper_gen.models.checkpoint import Checkpoint
 

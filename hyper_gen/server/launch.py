@@ -139,6 +139,7 @@ def serve(
     try:
         server.run(sockets=[sock])
     finally:
+        app.state.weight_groups.close()
         engine.shutdown()
         sock.close()
     return server.stopped_by
@@ -163,7 +164,7 @@ class BackgroundServer:
         self._sock = bind(host, port)
         address = self._sock.getsockname()
         self.url = f"http://{f'[{address[0]}]' if ':' in address[0] else address[0]}:{address[1]}"
-        app = create_app(engine, tokenizer, model_name)
+        app = self._app = create_app(engine, tokenizer, model_name)
         self._server = _Server(_config(app, "warning"), state=app.state.hyper_gen, grace_s=grace_s)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="hyper_gen-server", daemon=True
@@ -181,6 +182,7 @@ class BackgroundServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(30)
+        self._app.state.weight_groups.close()
         self._sock.close()
 
     def __enter__(self) -> "BackgroundServer":

@@ -100,6 +100,47 @@ class DiskUpdateRequest(_Body):
     flush_cache: bool = True
 
 
+class InitGroupRequest(_Body):
+    """``POST /init_weights_update_group`` (SGLang's ``InitWeightsUpdateGroupReqInput``)."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DistributedUpdateRequest(_Body):
+    """``POST /update_weights_from_distributed`` (SGLang's ``UpdateWeightsFromDistributedReqInput``)."""
+
+    names: List[str]
+    dtypes: List[str]
+    shapes: List[List[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[str] = None
+    torch_empty_cache: bool = False
+
+
+class DestroyGroupRequest(_Body):
+    group_name: str = "weight_update_group"
+
+
+class TensorUpdateRequest(_Body):
+    """``POST /update_weights_from_tensor``: ``serialized_named_tensors``, one item per rank of the
+    engine (the same tensors), each the base64 text of a safetensors file (see ``tensor_body``)."""
+
+    serialized_named_tensors: List[str]
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    disable_draft_model: Optional[bool] = None
+
+
 class EmptyRequest(_Body):
     pass
 

@@ -1,6 +1,7 @@
 """Greedy token ids and their logprobs from plain ``hyper_gen.generate``, one prompt at a time.
 
-stdin: {"backend", "prompts": [[ids...], ...], "max_tokens", "ignore_eos"}; stdout: one JSON list of
+stdin: {"backend", "model" (optional: a checkpoint folder, else the demo model), "prompts": [[ids...], ...],
+"max_tokens", "ignore_eos"}; stdout: one JSON list of
 {"tokens": generated ids (with the EOS that ended it), "logprobs": each one's logprob (the model's
 distribution, ``raw_logprobs``)} per prompt. Run in its own process (one framework per process).
 """
@@ -16,7 +17,7 @@ from hyper_gen.demo import demo_model_path
 
 def main():
     job = json.load(sys.stdin)
-    model = load_model(demo_model_path(), backend=job["backend"])
+    model = load_model(job.get("model") or demo_model_path(), backend=job["backend"])
     eos = None if job.get("ignore_eos") else model.generation_defaults.get("eos_token_id", 1)
     config = GenerationConfig(max_new_tokens=job["max_tokens"], eos_token_id=eos, pad_token_id=0)
     out = []

@@ -71,6 +71,26 @@ def fixed_logits_model(logits: np.ndarray) -> torch.nn.Module:
     )
 
 
+WEIGHT_GROUP_BACKENDS = ("gloo", "nccl", "hccl")
+
+
+def join_weight_group(model, master_address, master_port, rank, world_size, group_name, backend, timeout_s):
+    """This server's rank joining a trainer's weight-update group (``weight_group.join``): gloo
+    receives on the host, NCCL / HCCL on the model's device. torch.distributed is loaded here, not
+    when the adapter is."""
+    from . import weight_group
+
+    device = None if backend == "gloo" else ops_for(model).device
+    return weight_group.join(master_address, master_port, rank, world_size, group_name, backend, timeout_s, device)
+
+
+def weight_dtype_is_floating(text: str) -> bool:
+    """Whether the dtype named ``text`` (``bfloat16``, ``torch.float32``) is a floating one; ValueError if unknown."""
+    from . import weight_group
+
+    return weight_group.is_floating(text)
+
+
 def ops_for(obj):
     """TorchOps for a torch Module (its parameters' device) or Tensor, else None."""
     if isinstance(obj, torch.Tensor):

@@ -1,0 +1,208 @@
+"""Weights pushed to ``hyper-gen serve`` by a trainer in another process, as SGLang's trainers push
+them: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (a separate torch process,
+``dist_scripts/weight_sync_trainer.py``, joins the group over gloo and broadcasts a second
+checkpoint's weights), ``/destroy_weights_update_group``, ``/update_weights_from_tensor`` (base64
+safetensors). After an update ``/generate`` answers what plain ``generate()`` answers on the pushed
+checkpoint, with the new ``weight_version``; every bad request is a 400 naming its field and
+changes nothing; every wait for the trainer is bounded.
+"""
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from demo_task import DEMO_MODEL_DIR, make_prompts
+from launch import REPO, _env, free_port, script
+from test_server import Server, serve_cmd
+from test_server_sglang import Http, ok
+
+MAX_TOKENS = 12
+TIMEOUT_S = 4  # the server's bound on every wait for the trainer (HYPER_GEN_WEIGHT_SYNC_TIMEOUT_S)
+
+
+def expected(backend, model, prompts):
+    job = {"backend": backend, "model": model, "prompts": prompts, "max_tokens": MAX_TOKENS}
+    result = subprocess.run(
+        [sys.executable, script("serve_expected_logprobs.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(),
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    return [r["tokens"] for r in json.loads(result.stdout)]
+
+
+def second_checkpoint(folder, seed=1):
+    """The demo checkpoint with every weight redrawn around its own (another seed's model)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    rng = np.random.default_rng(seed)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    changed = {n: (t + 0.5 * t.std() * rng.standard_normal(t.shape)).astype(t.dtype) for n, t in tensors.items()}
+    save_file(changed, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    from hyper_gen.jobs.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    return [tokenizer.encode(p) for p, _ in make_prompts(3, seed=7)]
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    return second_checkpoint(tmp_path_factory.mktemp("ckpt") / "seed1")
+
+
+def _server(backend):
+    env = dict(_env(), HYPER_GEN_WEIGHT_SYNC_TIMEOUT_S=str(TIMEOUT_S))
+    return Server(serve_cmd(backend, "--max-batch-size", "4", "--served-model-name", "demo"), env=env)
+
+
+@pytest.fixture(scope="module")
+def torch_server():
+    server = _server("torch")
+    yield server, Http(server.url)
+    status = server.stop(signal.SIGTERM)
+    assert status == 0, server.log
+    assert "Traceback" not in server.log, server.log
+
+
+def generated(http, ids):
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
+    out = ok(http.post("/generate", body))
+    return [o["output_ids"] for o in out], {o["meta_info"]["weight_version"] for o in out}
+
+
+def trainer(url, checkpoint, version, bad=()):
+    job = {
+        "url": url,
+        "master_port": free_port(),
+        "group_name": "rl",
+        "checkpoint": checkpoint,
+        "weight_version": version,
+        "bad": list(bad),
+    }
+    result = subprocess.run(
+        [sys.executable, script("weight_sync_trainer.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_distributed_update_from_a_trainer_process(torch_server, ids, pushed):
+    server, http = torch_server
+    before, versions = generated(http, ids)
+    assert before == expected("torch", DEMO_MODEL_DIR, ids) and versions == {"default"}
+    from safetensors.numpy import load_file
+
+    tensors = load_file(os.path.join(pushed, "model.safetensors"))
+    names = sorted(tensors)
+    shapes = [list(tensors[n].shape) for n in names]
+    bad = [
+        {"shapes": [[3, 3]] + shapes[1:]},  # disagrees with the model's parameter
+        {"names": ["model.no_such.weight"] + names[1:]},  # a name the model lacks
+        {"dtypes": ["int32"] + ["float32"] * (len(names) - 1)},  # a dtype it can't take
+    ]
+    out = trainer(server.url, pushed, "step-1", bad)
+    assert ok(out["init"])["success"]
+    for (status, body), param in zip(out["bad"], ["shapes.0", "names.0", "dtypes.0"]):
+        assert status == 400 and body["error"]["param"] == param, body
+        assert "not applied" in body["error"]["message"]
+    assert ok(out["update"])["success"], out
+    assert ok(out["destroy"])["success"]
+    after, versions = generated(http, ids)
+    assert versions == {"step-1"} and ok(http.get("/get_weight_version")) == {"weight_version": "step-1"}
+    assert after == expected("torch", pushed, ids)
+    assert after != before
+
+
+def _safetensors_body(folder, version, **change):
+    from safetensors.numpy import load_file, save
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    tensors.update(change)
+    return {"serialized_named_tensors": [base64.b64encode(save(tensors)).decode()], "weight_version": version}
+
+
+def test_bad_group_requests_are_400s_and_waits_are_bounded(torch_server):
+    _, http = torch_server
+    version = ok(http.get("/get_weight_version"))
+    good = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    for change, param in [
+        ({"rank_offset": 0}, "rank_offset"),
+        ({"world_size": 1}, "world_size"),
+        ({"backend": "mpi"}, "backend"),
+        ({"master_port": "x"}, "master_port"),
+        ({"master_port": 70000}, "master_port"),
+    ]:
+        status, body = http.post("/init_weights_update_group", dict(good, **change))
+        assert status == 400 and body["error"]["param"] == param, body
+    update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]], "group_name": "nope"}
+    status, body = http.post("/update_weights_from_distributed", update)
+    assert status == 400 and body["error"]["param"] == "group_name" and "nope" in body["error"]["message"]
+    status, body = http.post("/destroy_weights_update_group", {"group_name": "nope"})
+    assert status == 400 and body["error"]["param"] == "group_name"
+    status, body = http.post("/update_weights_from_distributed", dict(update, dtypes=[]))
+    assert status == 400 and body["error"]["param"] == "dtypes"
+    # no trainer comes: the join gives up after the server's bound, naming what it waited for
+    status, body = http.post("/init_weights_update_group", dict(good, backend="gloo", group_name="alone"))
+    assert status == 500 and "timed out" in body["error"]["message"] and "'alone'" in body["error"]["message"]
+    assert ok(http.get("/get_weight_version")) == version
+
+
+def test_update_from_tensor(torch_server, ids):
+    _, http = torch_server
+    status, body = http.post("/update_weights_from_tensor", {"serialized_named_tensors": ["gAR9lC4="]})
+    assert (
+        status == 400
+        and body["error"]["param"] == "serialized_named_tensors.0"
+        and "pickle" in body["error"]["message"]
+    )
+    wrong = _safetensors_body(DEMO_MODEL_DIR, "x", **{"model.norm.weight": np.ones(5, np.float32)})
+    status, body = http.post("/update_weights_from_tensor", wrong)
+    assert status == 400 and body["error"]["param"] == "serialized_named_tensors.0" and "model.norm.weight" in str(body)
+    extra = _safetensors_body(DEMO_MODEL_DIR, "x", **{"model.extra.weight": np.ones(5, np.float32)})
+    status, body = http.post("/update_weights_from_tensor", extra)
+    assert status == 400 and "model.extra.weight" in body["error"]["message"]
+    status, body = http.post("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]})
+    assert status == 400 and body["error"]["param"] == "serialized_named_tensors.0"
+    assert ok(http.get("/get_weight_version"))["weight_version"] != "x"
+    assert ok(http.post("/update_weights_from_tensor", _safetensors_body(DEMO_MODEL_DIR, "from-tensor")))["success"]
+    after, versions = generated(http, ids)
+    assert versions == {"from-tensor"} and after == expected("torch", DEMO_MODEL_DIR, ids)
+
+
+def test_mindspore_server_takes_tensors_and_refuses_a_torch_group(ids, pushed):
+    server = _server("mindspore")
+    try:
+        http = Http(server.url)
+        good = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+        status, body = http.post("/init_weights_update_group", dict(good, backend="gloo"))
+        assert status == 400 and body["error"]["param"] == "backend", body
+        assert "cannot join" in body["error"]["message"] and "/update_weights_from_tensor" in body["error"]["message"]
+        assert ok(http.post("/update_weights_from_tensor", _safetensors_body(pushed, "ms-1")))["success"]
+        after, versions = generated(http, ids)
+        assert versions == {"ms-1"} and after == expected("mindspore", pushed, ids)
+    finally:
+        status = server.stop(signal.SIGTERM)
+    assert status == 0, server.log
+    assert "Traceback" not in server.log, server.log
