@@ -155,7 +155,7 @@ async def _events(state, request, requests, head, prompt_ids, parsers):
                 logprobs = state.tokens.chat(entries) if entries else None
             agent = agents.setdefault(chunk.index, AgentOutput(*parsers))
             reasoning, content, calls = agent.feed(chunk.text or "", final=chunk.finished)
-            if not (reasoning or content or chunk.finished or logprobs or (want_ids and chunk.token_ids)):
+            if not (reasoning or content or calls or chunk.finished or logprobs or (want_ids and chunk.token_ids)):
                 continue
             made = agent.tools.calls if agent.tools else []
             choice = ChatChunkChoice(
