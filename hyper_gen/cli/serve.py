@@ -61,6 +61,18 @@ def add_serve_flags(parser) -> None:
         "within a quarter of the available memory)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=("hermes", "qwen3_coder"),
+        help="how tool calls are read from the output (vLLM's names; default: %(default)s, Qwen's <tool_call>{json})",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=("qwen3", "deepseek_r1"),
+        help="split <think>...</think> into reasoning_content (vLLM's names; default: off)",
+    )
+    parser.add_argument(
         "--served-model-name",
         default=None,
         help=f"the name clients pass as 'model' (default: the --model value, or {DEMO_NAME!r})",
@@ -137,7 +149,16 @@ def run_serve(args) -> int:
                 flush=True,
             )
 
-        serve(engine, tokenizer, name, sock, log_level="info" if args.verbose else "warning", on_started=started)
+        serve(
+            engine,
+            tokenizer,
+            name,
+            sock,
+            log_level="info" if args.verbose else "warning",
+            on_started=started,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
         print("hyper-gen serve: stopped", file=sys.stderr, flush=True)
         return 0
     finally:

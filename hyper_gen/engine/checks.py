@@ -93,6 +93,11 @@ def check_request(engine, prompt_len: int, params) -> None:
         raise ValueError(f"n={params.n} is more than the engine's max_batch_size={engine.max_batch_size}")
     if params.stop and engine.tokenizer is None:
         raise ValueError(f"stop={params.stop!r} needs text: give the Engine a tokenizer")
+    if params.structured_outputs is not None:
+        backend = engine.grammar_backend()
+        if backend is None:
+            raise ValueError("structured_outputs needs the engine's tokenizer: give the Engine a tokenizer")
+        backend.compile(params.structured_outputs)  # ValueError: the grammar library rejects it
     vocab = engine.vocab_size
     if vocab and params.stop_token_ids and max(params.stop_token_ids) >= vocab:
         raise ValueError(f"stop_token_ids {params.stop_token_ids} holds an id outside the vocabulary of {vocab}")

@@ -10,7 +10,10 @@ seed drawn from fresh entropy, which every rank shares.
 
 Logprobs are vLLM's default: the raw logits' float32 ``log_softmax`` (before penalty and
 temperature), the chosen token's and the top k. A row whose logits hold NaN or +inf, or are all
--inf, gets an error instead of a token (its request fails; the other rows go on).
+-inf, gets an error instead of a token (its request fails; the other rows go on). Rows with
+structured outputs (``grammar.py``) then get -inf at the tokens their grammar disallows, after that
+check (a masked row is no error) and before the penalty, the warpers and the draw; their logprobs
+stay the raw logits' (vLLM's).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ class Selection:
         self.errors: List[Optional[Exception]] = [None] * batch
 
 
-def select(ops, scores, choices, vocab_size: int, logprobs: bool = True) -> Selection:
+def select(ops, scores, choices, vocab_size: int, logprobs: bool = True, grammar=None) -> Selection:
     """Tokens for ``choices`` (one a row of ``scores``, (B, V) float32 on the device);
-    ``logprobs=False`` skips them (the ranks of a multi-rank engine that stream nothing)."""
+    ``logprobs=False`` skips them (the ranks of a multi-rank engine that stream nothing);
+    ``grammar``: the engine's ``GrammarBackend`` (None: no tokenizer, so no structured outputs)."""
     out = Selection(len(choices))
     for row, kind in processors.unusable_rows(ops, scores):
         choice = choices[row]
@@ -44,6 +48,12 @@ def select(ops, scores, choices, vocab_size: int, logprobs: bool = True) -> Sele
         )
     good = [row for row in range(len(choices)) if out.errors[row] is None]
     batch = [_sampled_row(ops, choice, vocab_size) for choice in choices]
+    raw = scores
+    constrained = [row for row in good if choices[row].request.params.structured_outputs is not None]
+    if constrained:
+        if grammar is None:
+            raise RuntimeError("structured_outputs reached an engine without a tokenizer (submit checks this)")
+        scores = grammar.mask(ops, scores, choices, constrained)
     out.tokens = select_rows(ops, scores, batch, vocab_size, good)
     for row in good:
         choice, token = choices[row], int(out.tokens[row])
@@ -52,7 +62,7 @@ def select(ops, scores, choices, vocab_size: int, logprobs: bool = True) -> Sele
             true = ops.asarray(np.ones((1, 1), dtype=bool), "bool")
             choice.seen = processors.mark_seen(ops, choice.seen, index, vocab_size, true)
     if logprobs:
-        _logprobs(ops, scores, choices, out, good)
+        _logprobs(ops, raw, choices, out, good)
     return out
 
 

@@ -28,6 +28,16 @@ from .request import Request
 from .stream import RequestStream
 
 
+class _LazyGrammar:
+    """The runner's view of the engine's grammar backend, built when a constrained row first draws."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def mask(self, ops, scores, choices, rows):
+        return self._engine.grammar_backend().mask(ops, scores, choices, rows)
+
+
 class Engine:
     """In-flight batching engine over one model (see the module docstring).
 
@@ -57,9 +67,21 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
         )
         self.world_size, self.rank, self.cache_memory_bytes = core.world_size, core.rank, core.cache_memory_bytes
+        self._grammar = None
+        if tokenizer is not None:  # every rank: each runs its own matchers on the same tokens
+            core.runner.grammar = _LazyGrammar(self)
         if self.rank == 0:  # text, stop strings, chunks and outputs, off the step loop (the other ranks stream nothing)
             stop = lambda choice: core.post(Abort(choice, reply=False))  # noqa: E731
             core.outputs = OutputProcessor(tokenizer, abort=stop, fail=core.fail)
+
+    def grammar_backend(self):
+        """The structured-outputs backend over this engine's tokenizer (built on first use; None without one)."""
+        if self._grammar is None and self.tokenizer is not None:
+            from .grammar import GrammarBackend
+
+            vocab = self.vocab_size or len(self.tokenizer)
+            self._grammar = GrammarBackend(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammar
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self, background: bool = True) -> "Engine":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
 
@@ -63,6 +63,9 @@ class SamplingParams:
     min_tokens: int = 0
     # MoE models: each token's router choices, per MoE layer (ChoiceOutput.routed_experts; vLLM / SGLang's R3)
     return_routed_experts: bool = False
+    # a grammar the output must follow: grammar.StructuredOutputs or its dict (vLLM's StructuredOutputsParams:
+    # json / json_object / regex / choice / grammar / lark); needs the engine's tokenizer
+    structured_outputs: Optional[Any] = None
 
     def __post_init__(self):
         self.n = _int("n", self.n, 1)
@@ -102,6 +105,10 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.structured_outputs is not None:
+            from .grammar import StructuredOutputs
+
+            self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
 

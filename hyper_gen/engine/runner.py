@@ -112,6 +112,7 @@ class ModelRunner:
         self.layout, self.store = layout, store
         self.vocab_size = vocab_size
         self.logprobs = logprobs  # rank 0 streams logprobs; the other ranks only need the tokens
+        self.grammar = None  # grammar.GrammarBackend (set by the engine when it has a tokenizer)
         self.request_of: Callable = lambda serial: None
         self.tables: Dict[Any, List[int]] = {}
         self.prefills: Dict[Any, _Prefill] = {}
@@ -320,7 +321,8 @@ class ModelRunner:
         return self.ops.cast(gather_vocab_logits(self.ops, self.model, logits), "float32")
 
     def _select(self, scores, choices) -> Selection:
-        return select(self.ops, scores, choices, self.vocab_size or int(scores.shape[-1]), self.logprobs)
+        vocab = self.vocab_size or int(scores.shape[-1])
+        return select(self.ops, scores, choices, vocab, self.logprobs, self.grammar)
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode_groups(self, items: List[Scheduled]) -> List["_Rows"]:

@@ -45,8 +45,16 @@ from .sglang_protocol import (
 from .state import ServerState
 
 
-def create_app(engine, tokenizer, model_name: str, max_model_len: Optional[int] = None) -> FastAPI:
+def create_app(
+    engine,
+    tokenizer,
+    model_name: str,
+    max_model_len: Optional[int] = None,
+    tool_call_parser: Optional[str] = "hermes",
+    reasoning_parser: Optional[str] = None,
+) -> FastAPI:
     state = ServerState(engine, tokenizer, model_name, max_model_len)
+    state.tool_call_parser, state.reasoning_parser = tool_call_parser, reasoning_parser
     app = FastAPI(title="hyper_gen", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hyper_gen = state
     errors.install(app)

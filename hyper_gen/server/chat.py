@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
-from .errors import APIError, shutting_down
+from . import structured
+from .errors import APIError, bad_value, shutting_down
 from .params import check_sizes, sampling_params
-from .prompts import chat_prompt
+from .prompts import chat_prompt, chat_text
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -27,6 +29,7 @@ from .protocol import (
 )
 from .state import ServerState, new_id, watch_disconnect
 from .streams import DONE, EventStream, ServerClosing, sse
+from .tools import AgentOutput, check_tools, finish_reason, tool_grammar
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -40,13 +43,15 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     check_sizes(request)
     for param in ("max_completion_tokens", "max_tokens"):
         state.check_max_tokens(getattr(request, param), param)
-    ids = chat_prompt(request, state.tokenizer, state.vocab_size, state.max_model_len)
+    text = chat_text(request, state.tokenizer)
+    ids = chat_prompt(request, state.tokenizer, state.vocab_size, state.max_model_len, text=text)
     max_tokens = request.max_completion_tokens or request.max_tokens or state.default_max_tokens([ids])
-    params = sampling_params(request, max_tokens)
+    outputs, parsers = _constraints(state, request, text)
+    params = sampling_params(request, max_tokens, structured_outputs=outputs)
     requests = state.submit([ids], params, "messages")
     head = dict(id=new_id("chatcmpl"), created=int(time.time()), model=state.model_name)
     if request.stream:
-        return EventStream(_events(state, request, requests, head, ids), requests)
+        return EventStream(_events(state, request, requests, head, ids, parsers), requests)
 
     watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
     texts, reasons, logprobs, aligners, generated = {}, {}, {}, {}, 0
@@ -68,12 +73,20 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         raise APIError(f"generation failed: {exc}", status=500) from exc
     finally:
         watcher.cancel()
+    messages, calls = {}, {}
+    for i in range(request.n):
+        reasoning, content, calls[i] = AgentOutput(*parsers).feed(texts.get(i, ""), final=True)
+        messages[i] = AssistantMessage(
+            content=content if content or not calls[i] else None,
+            reasoning_content=reasoning or None,
+            tool_calls=calls[i] or None,
+        )
     choices = [
         ChatChoice(
             index=i,
-            message=AssistantMessage(content=texts.get(i, "")),
+            message=messages[i],
             logprobs=logprobs.get(i, ChatLogprobs(content=[])) if request.logprobs else None,
-            finish_reason=reasons.get(i),
+            finish_reason=finish_reason(reasons.get(i), calls[i]),
             token_ids=token_ids[i] if request.return_token_ids else None,
         )
         for i in range(request.n)
@@ -91,12 +104,41 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     )
 
 
-async def _events(state, request, requests, head, prompt_ids):
+def _constraints(state, request, text: str):
+    """(the request's StructuredOutputs or None, (reasoning parser, tool-call parser, prompt text))."""
+    functions = check_tools(request)
+    spec = structured.requested(request)
+    outputs = None
+    if functions:
+        grammar = tool_grammar(request, functions)
+        if grammar is not None:
+            if spec:
+                raise bad_value(spec[1], f"{spec[1]} cannot be combined with tool_choice {request.tool_choice!r}")
+            outputs = structured.build(state, grammar, "tool_choice")
+        else:  # the tool schemas must compile even when the output is free
+            check = SimpleNamespace(tool_choice="required", parallel_tool_calls=None)
+            structured.build(state, tool_grammar(check, functions), "tools")
+    if spec and outputs is None:
+        outputs = structured.build(state, *spec)
+    tool_parser = state.tool_call_parser if functions and request.tool_choice != "none" else None
+    return outputs, (state.reasoning_parser, tool_parser, text)
+
+
+def _tool_deltas(index: int, call: dict) -> list:
+    """OpenAI's tool-call deltas for one call: its id and name first, then its arguments."""
+    fn = call["function"]
+    return [
+        {"index": index, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}},
+        {"index": index, "function": {"arguments": fn["arguments"]}},
+    ]
+
+
+async def _events(state, request, requests, head, prompt_ids, parsers):
     prompt_tokens = len(prompt_ids)
     want_ids = request.return_token_ids
     options = request.stream_options
     usage_each = bool(options and options.continuous_usage_stats)
-    aligners, generated = {}, 0
+    aligners, agents, generated = {}, {}, 0
     try:
         for i in range(request.n):
             first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -111,17 +153,30 @@ async def _events(state, request, requests, head, prompt_ids):
             if request.logprobs:
                 entries = aligners.setdefault(chunk.index, state.tokens.choice()).add(chunk)
                 logprobs = state.tokens.chat(entries) if entries else None
-            if not (chunk.text or chunk.finished or logprobs or (want_ids and chunk.token_ids)):
+            agent = agents.setdefault(chunk.index, AgentOutput(*parsers))
+            reasoning, content, calls = agent.feed(chunk.text or "", final=chunk.finished)
+            if not (reasoning or content or calls or chunk.finished or logprobs or (want_ids and chunk.token_ids)):
                 continue
+            made = agent.tools.calls if agent.tools else []
             choice = ChatChunkChoice(
                 index=chunk.index,
-                delta=DeltaMessage(content=chunk.text or None),
+                delta=DeltaMessage(content=content or None, reasoning_content=reasoning or None),
                 logprobs=logprobs,
-                finish_reason=chunk.finish_reason if chunk.finished else None,
+                finish_reason=None if calls else finish_reason(chunk.finish_reason, made) if chunk.finished else None,
                 token_ids=[int(t) for t in chunk.token_ids] if want_ids else None,
             )
             usage = _usage(prompt_tokens, generated) if usage_each else None
             yield sse(ChatCompletionChunk(**head, choices=[choice], usage=usage))
+            first = len(made) - len(calls)
+            for k, call in enumerate(calls):
+                for delta in _tool_deltas(first + k, call):
+                    part = ChatChunkChoice(index=chunk.index, delta=DeltaMessage(tool_calls=[delta]))
+                    yield sse(ChatCompletionChunk(**head, choices=[part]))
+            if calls and chunk.finished:
+                end = ChatChunkChoice(
+                    index=chunk.index, delta=DeltaMessage(), finish_reason=finish_reason(chunk.finish_reason, made)
+                )
+                yield sse(ChatCompletionChunk(**head, choices=[end]))
         if options and options.include_usage:
             yield sse(ChatCompletionChunk(**head, choices=[], usage=_usage(prompt_tokens, generated)))
     except ServerClosing:  # the response has started: the error goes in the stream

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from . import structured
 from .errors import APIError, shutting_down
 from .logprobs import merge_completion
 from .params import check_sizes, sampling_params
@@ -33,7 +34,9 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
     state.check_max_tokens(request.max_tokens, "max_tokens")
     prompts = completion_prompts(request, state.tokenizer, state.vocab_size, state.max_model_len)
     max_tokens = request.max_tokens if request.max_tokens is not None else state.default_max_tokens(prompts)
-    params = sampling_params(request, max_tokens)
+    spec = structured.requested(request)
+    outputs = structured.build(state, *spec) if spec else None
+    params = sampling_params(request, max_tokens, structured_outputs=outputs)
     requests = state.submit(prompts, params, "prompt")
     head = dict(id=new_id("cmpl"), created=int(time.time()), model=state.model_name)
     prompt_tokens = sum(len(p) for p in prompts)

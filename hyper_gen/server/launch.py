@@ -130,11 +130,14 @@ def serve(
     log_level: str = "warning",
     on_started: Optional[Callable[[], None]] = None,
     grace_s: float = GRACE_S,
+    tool_call_parser: Optional[str] = "hermes",
+    reasoning_parser: Optional[str] = None,
 ) -> Optional[int]:
     """Serve the OpenAI endpoints on ``sock`` until SIGINT / SIGTERM; the signal that stopped it.
 
     The engine is started by the caller and shut down here, whatever ends the server."""
-    app = create_app(engine, tokenizer, model_name)
+    parsers = dict(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+    app = create_app(engine, tokenizer, model_name, **parsers)
     server = _Server(_config(app, log_level), on_started=on_started, state=app.state.hyper_gen, grace_s=grace_s)
     try:
         server.run(sockets=[sock])

@@ -91,10 +91,13 @@ def field_named(message: str, fields) -> str:
     return min(found)[1] if found else ""
 
 
-def sampling_params(request, max_tokens: int, context=None) -> SamplingParams:
-    """SamplingParams for ``request`` (completions or chat) generating at most ``max_tokens``."""
+def sampling_params(request, max_tokens: int, context=None, structured_outputs=None) -> SamplingParams:
+    """SamplingParams for ``request`` (completions or chat) generating at most ``max_tokens``
+    (``structured_outputs``: the grammar ``structured.build`` made of it, or None)."""
     _check_unsupported(request)
     params = {"n": request.n, "max_tokens": max_tokens, "ignore_eos": request.ignore_eos}
+    if structured_outputs is not None:
+        params["structured_outputs"] = structured_outputs
     params["min_tokens"] = request.min_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids"):
         value = getattr(request, name)

@@ -7,6 +7,7 @@ where the checkpoint wants one), chat without (the template writes its own).
 
 from __future__ import annotations
 
+import json
 from typing import List
 
 from .errors import bad_value
@@ -57,13 +58,63 @@ def completion_prompts(request: CompletionRequest, tokenizer, vocab_size=None, m
     return out
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer, vocab_size=None, max_model_len=None) -> List[int]:
-    """The conversation through the checkpoint's chat template, ending where the assistant speaks."""
+_RESERVED = {"conversation", "messages", "tools", "documents", "tokenize", "add_generation_prompt", "return_dict"}
+
+
+def _message(m) -> dict:
+    """A message as chat templates read it (vLLM's: a tool call's JSON arguments as an object)."""
+    out = {"role": m.role, "content": m.text()}
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, name):
+            out[name] = getattr(m, name)
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    raise bad_value("messages", f"a tool call's arguments are not JSON: {fn['arguments']!r}") from None
+            call["function"] = fn
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
+
+
+def chat_text(request: ChatCompletionRequest, tokenizer) -> str:
+    """The conversation through the checkpoint's chat template, ending where the assistant speaks (or, with
+    ``continue_final_message``, inside the last assistant message); ``tools`` and ``chat_template_kwargs``
+    go to the template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_value("messages", "this model has no chat template: use /v1/completions")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in request.messages]
+    messages = [_message(m) for m in request.messages]
+    kwargs = dict(request.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED & set(kwargs))
+    if reserved:
+        raise bad_value("chat_template_kwargs", f"chat_template_kwargs may not set {reserved}: use the request fields")
+    if request.continue_final_message:
+        if request.add_generation_prompt and "add_generation_prompt" in request.model_fields_set:
+            message = "continue_final_message and add_generation_prompt exclude each other"
+            raise bad_value("continue_final_message", message)
+        if messages[-1]["role"] != "assistant":
+            raise bad_value("continue_final_message", "continue_final_message needs an assistant message last")
+    tools = request.tools if request.tools else None
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
+            continue_final_message=request.continue_final_message,
+            **kwargs,
+        )
     except Exception as exc:  # the template's own raise_exception() and jinja errors
         raise bad_value("messages", f"the chat template rejected the messages: {exc}") from None
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer, vocab_size=None, max_model_len=None, text=None) -> List[int]:
+    """``chat_text``'s token ids (``text``: it, already rendered)."""
+    text = chat_text(request, tokenizer) if text is None else text
     return _check_ids(_encode(tokenizer, text, "messages", False), vocab_size, "messages", max_model_len)

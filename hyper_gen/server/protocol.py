@@ -46,6 +46,12 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[List[int]] = None
     min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
+    # vLLM's structured outputs (structured.py): one of these, or chat's response_format
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Optional[Union[str, Dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -69,6 +75,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None  # an assistant's calls, kept for the template
+    tool_call_id: Optional[str] = None  # a tool message's answer to that call
+    reasoning_content: Optional[str] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -83,6 +92,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)  # vLLM's extra, of the templated prompt (not with stream)
+    response_format: Optional[Dict[str, Any]] = None
+    # agent turns (tools.py): OpenAI's tools, and vLLM's template controls
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -149,6 +166,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
 
 
 class ChatChoice(BaseModel):
@@ -174,6 +193,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None  # OpenAI's deltas: index, id, type, function name / arguments
 
 
 class ChatChunkChoice(BaseModel):

@@ -31,6 +31,8 @@ class ServerState:
         self.vocab_size = limits.vocab_size if limits is not None else None
         self.tokens = TokenStrings(tokenizer)
         self.created = int(time.time())
+        self.tool_call_parser = "hermes"  # --tool-call-parser (tools.py): how tool calls are read from the output
+        self.reasoning_parser = None  # --reasoning-parser: None keeps <think> in the content
         self.closing = False  # the server stopped and the grace period of its open requests is over
         self._open: "weakref.WeakSet[Requests]" = weakref.WeakSet()  # responses not yet done
 
