@@ -214,18 +214,26 @@ def state_slots_nbytes(layout: CacheLayout, num_rows: int) -> int:
 
 class Piece(NamedTuple):
     """Columns of one paged attention piece: the rows that have a position there (None: every row),
-    their slots (flat, ``shape`` (rows, columns)) and additive mask (rows, 1, S, columns)."""
+    their slots (flat, ``shape`` (rows, columns)), or where each row's attended columns are whole
+    pool blocks in order, those blocks (flat, (rows, blocks): a block copies as one run, not a slot
+    at a time; None otherwise), and the additive mask (rows, 1, S, columns)."""
 
     rows: Any
     slots: Any
     shape: Tuple[int, int]
     mask: Any
+    blocks: Any = None
+    block_size: int = 0
 
 
-def attention_pieces(ops, read: np.ndarray, mask: np.ndarray, columns: int, dtype: str) -> List[Piece]:
+def attention_pieces(
+    ops, read: np.ndarray, mask: np.ndarray, columns: int, dtype: str, block_size: int = 0
+) -> List[Piece]:
     """The pieces of ``columns`` columns that attention over ``read`` (B, T) slots with the additive
     ``mask`` (B, 1, S, T) reads (``Ops.paged_attention``); a row sits out every piece where the
-    mask hides all its columns (the padding up to the longest row)."""
+    mask hides all its columns (the padding up to the longest row). ``block_size``: also name the
+    pool blocks of a piece whose attended columns lie block by block in order (a decode of rows of
+    one length, a prefill chunk after its own past), ``columns`` being a multiple of it."""
     batch, width = read.shape
     seen = (mask == 0).any(axis=(1, 2))  # (B, T): a column some query of the row attends
     pieces = []
@@ -235,15 +243,38 @@ def attention_pieces(ops, read: np.ndarray, mask: np.ndarray, columns: int, dtyp
         if not len(rows):
             continue
         every = len(rows) == batch
+        blocks = _whole_blocks(read[rows, start:stop], seen[rows, start:stop], start, block_size)
         pieces.append(
             Piece(
                 None if every else ops.asarray(rows, "int64"),
                 ops.asarray(read[rows, start:stop].reshape(-1), "int64"),
                 (len(rows), stop - start),
                 ops.asarray(mask[rows, :, :, start:stop], dtype),
+                None if blocks is None else ops.asarray(blocks.reshape(-1), "int64"),
+                block_size,
             )
         )
     return pieces
+
+
+def _whole_blocks(slots: np.ndarray, seen: np.ndarray, start: int, block_size: int):
+    """(rows, blocks) pool blocks whose slots hold ``slots``' attended columns in place (column ``c``
+    at offset ``c % block_size``; a block of only masked columns reads the null block), or None."""
+    if not block_size or start % block_size:
+        return None
+    n, t = slots.shape
+    count = -(-t // block_size)
+    pad = count * block_size - t
+    slots = np.pad(slots, ((0, 0), (0, pad)))
+    seen = np.pad(seen, ((0, 0), (0, pad)))
+    offsets = np.arange(count * block_size) % block_size
+    if not ((slots % block_size == offsets) | ~seen).all():
+        return None
+    owner = np.where(seen, slots // block_size, -1).reshape(n, count, block_size)
+    top = owner.max(axis=2)
+    if not ((owner == top[..., None]) | (owner < 0)).all():
+        return None
+    return np.maximum(top, 0)
 
 
 class PagedCache(_ModelCache):

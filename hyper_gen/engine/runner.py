@@ -275,7 +275,7 @@ class ModelRunner:
         cache = PagedCache(self.store, rows.write, rows.read, rows.width, rows.conv, rows.recurrent)
         columns = self.paged_columns
         if columns and rows.read.shape[1] > columns:
-            cache.pieces = attention_pieces(self.ops, rows.read, mask, columns, self.dtype)
+            cache.pieces = attention_pieces(self.ops, rows.read, mask, columns, self.dtype, self.store.block_size)
         if rows.width == 0 and not rows.new_valid.all():
             cache.prompt_mask = self.ops.asarray(rows.new_valid.astype(np.int64), self.dtype)
         return cache

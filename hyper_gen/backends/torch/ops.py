@@ -42,6 +42,15 @@ def torch_dtype(name: str) -> torch.dtype:
 PAGED_COLUMNS = 1024
 
 
+def _piece_of(pool, piece):
+    """(rows, columns, H, D) of a piece's K or V: whole blocks copied as runs where it names them."""
+    n, t = piece.shape
+    if piece.blocks is None:
+        return pool.index_select(0, piece.slots).view(n, t, *pool.shape[1:])
+    blocks = pool.view(-1, piece.block_size, *pool.shape[1:]).index_select(0, piece.blocks)
+    return blocks.view(n, -1, *pool.shape[1:])[:, :t]
+
+
 class TorchOps:
     """Torch ops bound to one device."""
 
@@ -156,9 +165,7 @@ class TorchOps:
         outs, lses = [], []
         for piece in pieces:
             q = query if piece.rows is None else query.index_select(0, piece.rows)
-            n, t = piece.shape
-            k = pool_k.index_select(0, piece.slots).view(n, t, *pool_k.shape[1:]).transpose(1, 2)
-            v = pool_v.index_select(0, piece.slots).view(n, t, *pool_v.shape[1:]).transpose(1, 2)
+            k, v = (_piece_of(pool, piece).transpose(1, 2) for pool in (pool_k, pool_v))
             out, lse = partial(q, k, v, piece.mask)
             out = out.to(lse.dtype)
             if piece.rows is not None:
