@@ -52,14 +52,16 @@ def test_engine_reads_the_pool_in_pieces_with_generates_numbers(tmp_path, kind, 
     engine = Engine(model, block_size=16, max_num_batched_tokens=48, enable_prefix_caching=False)
     assert engine._runner.paged_columns  # torch attends piece by piece
     engine._runner.paged_columns = 16
-    calls = []
+    calls, whole = [], []
     attend = engine._runner.ops.paged_attention
     engine._runner.ops.paged_attention = lambda q, k, v, pieces, partial: (
-        calls.append((q.shape[2], len(pieces))) or attend(q, k, v, pieces, partial)
+        (calls.append((q.shape[2], len(pieces))) or whole.extend(p.blocks is not None for p in pieces))
+        or attend(q, k, v, pieces, partial)
     )
     with engine:
         outs = [s.result(timeout=300) for s in [engine.submit(p, params) for p in prompts]]
     assert any(s == 1 and n > 2 for s, n in calls) and any(s > 1 and n > 2 for s, n in calls), calls
+    assert any(whole) and not all(whole)  # pieces of whole blocks, and of slots (rows of other lengths)
     for prompt, out in zip(prompts, outs):
         ref = generate(
             model, [prompt], max_new_tokens=10, eos_token_id=None, output_logprobs=True,
@@ -69,3 +71,22 @@ def test_engine_reads_the_pool_in_pieces_with_generates_numbers(tmp_path, kind, 
         assert out.outputs[0].token_ids == want
         got = [entry["logprob"] for entry in out.outputs[0].logprobs]
         assert _logprob_gap(got, ref.raw_logprobs[0].tolist()) < 1e-6
+
+
+def test_a_piece_of_whole_blocks_names_them():
+    """Columns that lie block by block in the pool (column c at offset c % block_size) copy as whole
+    blocks; a block of only masked columns reads the null block; anything else copies slot by slot."""
+    from hyper_gen.engine.kv_store import _whole_blocks
+
+    table = [3, 5, 2]
+    slots = np.array([table[p // 4] * 4 + p % 4 for p in range(10)])[None]
+    seen = np.ones((1, 10), dtype=bool)
+    assert _whole_blocks(slots, seen, 0, 4).tolist() == [[3, 5, 2]]
+    assert _whole_blocks(slots[:, 4:], seen[:, 4:], 4, 4).tolist() == [[5, 2]]
+    padded, attended = slots.copy(), seen.copy()
+    padded[:, 8:], attended[:, 8:] = 0, False  # the null slot, masked
+    assert _whole_blocks(padded, attended, 0, 4).tolist() == [[3, 5, 0]]
+    stray = slots.copy()
+    stray[0, 9] = 7 * 4 + 1  # a column in another block
+    assert _whole_blocks(stray, seen, 0, 4) is None
+    assert _whole_blocks(slots[:, 2:], seen[:, 2:], 2, 4) is None  # a piece that starts inside a block
