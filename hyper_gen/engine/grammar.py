@@ -215,23 +215,12 @@ class GrammarBackend:
             column = np.minimum(tokens >> 3, self.words * 4 - 1)
             divisor = (1 << (tokens & 7)).astype(np.int32)[None, :]
             inside = (tokens < self.vocab_size)[None, :]
-            index = ops.asarray(column, "int64" if ops.name == "torch" else "int32")
+            index = ops.asarray(column, "int32")  # (a device tensor: ``take`` uses it as is every step)
             self._unpack[key] = (index, ops.asarray(divisor, "int32"), ops.asarray(inside, "bool"))
         column, divisor, inside = self._unpack[key]
         data = ops.asarray(bitmask.view(np.uint8).astype(np.int32), "int32")  # (B, 4W): little-endian bytes
-        bits = _take_columns(ops, data, column)
+        bits = ops.take(data, column, 1)
         return ((bits // divisor) % 2 == 1) & inside
-
-
-def _take_columns(ops, x, index):
-    """``x[:, index]`` with ``index`` already on the device (``ops.take`` would copy it there each step)."""
-    if ops.name == "torch":
-        import torch
-
-        return torch.index_select(x, 1, index)
-    from mindspore import ops as msops
-
-    return msops.gather(x, index, 1)
 
 
 __all__ = ["StructuredOutputs", "GrammarBackend", "KINDS"]

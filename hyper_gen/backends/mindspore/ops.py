@@ -170,6 +170,8 @@ class MindSporeOps:
         return ops.tensor_scatter_elements(x, indices, values, axis)
 
     def take(self, x, indices, axis=0):
+        if isinstance(indices, ms.Tensor):  # already on the device (a table kept across steps)
+            return ops.gather(x, indices, axis)
         return ops.gather(x, ms.Tensor(np.asarray(indices, dtype=np.int32)), axis)
 
     def log_softmax(self, x, axis=-1):

@@ -128,6 +128,8 @@ class TorchOps:
         return x.scatter(axis, indices, values)
 
     def take(self, x, indices, axis=0):
+        if isinstance(indices, torch.Tensor):  # already on the device (a table kept across steps)
+            return torch.index_select(x, axis, indices)
         return torch.index_select(x, axis, torch.as_tensor(np.asarray(indices, dtype=np.int64), device=x.device))
 
     def log_softmax(self, x, axis=-1):
