@@ -226,9 +226,11 @@ def test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens(root, 
         outs = [s.result(timeout=120) for s in [engine.submit(p, params) for p in prompts]]
     if backend == "torch":
         assert [4] in decodes and all(len(groups) == 1 for groups in decodes), decodes
-        # every row reads the first piece (its first positions) and the last (its own column); the
-        # long row alone reads those between
-        assert pieces and all(len(r) == 5 and r[0] == r[-1] == 4 and r[1:-1] == [1] * 3 for r in pieces), pieces
+        # once all four decode, every row reads the first piece (its first positions) and the last (its
+        # own column), and the long row alone reads those between (a step where fewer rows decode,
+        # while another is still prefilled, has fewer rows in each piece)
+        assert [4, 1, 1, 1, 4] in pieces, pieces
+        assert all(max(r[1:-1], default=1) == 1 for r in pieces), pieces
     else:
         assert [3, 1] in decodes, decodes  # the long row alone
     for prompt, out in zip(prompts, outs):
