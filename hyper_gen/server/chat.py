@@ -8,7 +8,6 @@ on the first chunk), each choice's generated ids on it (``token_ids``; streamed,
 
 from __future__ import annotations
 
-import asyncio
 import time
 from types import SimpleNamespace
 
@@ -27,7 +26,7 @@ from .protocol import (
     DeltaMessage,
     Usage,
 )
-from .state import ServerState, new_id, watch_disconnect
+from .state import ServerState, collected_chunks, new_id
 from .streams import DONE, EventStream, ServerClosing, sse
 from .tools import AgentOutput, check_tools, finish_reason, tool_grammar
 
@@ -53,26 +52,17 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     if request.stream:
         return EventStream(_events(state, request, requests, head, ids, parsers), requests)
 
-    watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
     texts, reasons, logprobs, aligners, generated = {}, {}, {}, {}, 0
     token_ids = {i: [] for i in range(request.n)}
-    try:
-        async for _, chunk in requests.chunks():
-            texts[chunk.index] = texts.get(chunk.index, "") + (chunk.text or "")
-            token_ids[chunk.index] += [int(t) for t in chunk.token_ids]
-            generated += len(chunk.token_ids)
-            if request.logprobs:
-                entries = aligners.setdefault(chunk.index, state.tokens.choice()).add(chunk)
-                logprobs.setdefault(chunk.index, ChatLogprobs(content=[])).content += state.tokens.chat(entries).content
-            if chunk.finished:
-                reasons[chunk.index] = chunk.finish_reason
-    except ServerClosing:
-        raise shutting_down() from None
-    except Exception as exc:
-        requests.cancel()
-        raise APIError(f"generation failed: {exc}", status=500) from exc
-    finally:
-        watcher.cancel()
+    async for _, chunk in collected_chunks(http_request, requests):
+        texts[chunk.index] = texts.get(chunk.index, "") + (chunk.text or "")
+        token_ids[chunk.index] += [int(t) for t in chunk.token_ids]
+        generated += len(chunk.token_ids)
+        if request.logprobs:
+            entries = aligners.setdefault(chunk.index, state.tokens.choice()).add(chunk)
+            logprobs.setdefault(chunk.index, ChatLogprobs(content=[])).content += state.tokens.chat(entries).content
+        if chunk.finished:
+            reasons[chunk.index] = chunk.finish_reason
     messages, calls = {}, {}
     for i in range(request.n):
         reasoning, content, calls[i] = AgentOutput(*parsers).feed(texts.get(i, ""), final=True)

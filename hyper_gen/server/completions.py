@@ -9,7 +9,6 @@ chunk carries its new ids and a choice's first chunk its prompt's ids.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from . import structured
@@ -18,7 +17,7 @@ from .logprobs import merge_completion
 from .params import check_sizes, sampling_params
 from .prompts import completion_prompts
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from .state import ServerState, new_id, watch_disconnect
+from .state import ServerState, collected_chunks, new_id
 from .streams import DONE, EventStream, ServerClosing, sse
 
 
@@ -44,34 +43,25 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
     if request.stream:
         return EventStream(_events(state, request, requests, head, prompts, want_logprobs), requests)
 
-    watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
     choices, aligners, generated = {}, {}, 0
-    try:
-        async for i, chunk in requests.chunks():
-            index = i * request.n + chunk.index
-            choice = choices.setdefault(index, CompletionChoice(index=index, text=""))
-            choice.text += chunk.text or ""
-            if request.return_token_ids:
-                if choice.token_ids is None:
-                    choice.prompt_token_ids, choice.token_ids = list(prompts[i]), []
-                choice.token_ids += [int(t) for t in chunk.token_ids]
-            generated += len(chunk.token_ids)
-            if want_logprobs:
-                aligner = aligners.setdefault(index, state.tokens.choice())
-                more = state.tokens.completion(aligner.add(chunk))
-                if choice.logprobs is None:
-                    choice.logprobs = more
-                else:
-                    merge_completion(choice.logprobs, more)
-            if chunk.finished:
-                choice.finish_reason = chunk.finish_reason
-    except ServerClosing:
-        raise shutting_down() from None
-    except Exception as exc:
-        requests.cancel()
-        raise APIError(f"generation failed: {exc}", status=500) from exc
-    finally:
-        watcher.cancel()
+    async for i, chunk in collected_chunks(http_request, requests):
+        index = i * request.n + chunk.index
+        choice = choices.setdefault(index, CompletionChoice(index=index, text=""))
+        choice.text += chunk.text or ""
+        if request.return_token_ids:
+            if choice.token_ids is None:
+                choice.prompt_token_ids, choice.token_ids = list(prompts[i]), []
+            choice.token_ids += [int(t) for t in chunk.token_ids]
+        generated += len(chunk.token_ids)
+        if want_logprobs:
+            aligner = aligners.setdefault(index, state.tokens.choice())
+            more = state.tokens.completion(aligner.add(chunk))
+            if choice.logprobs is None:
+                choice.logprobs = more
+            else:
+                merge_completion(choice.logprobs, more)
+        if chunk.finished:
+            choice.finish_reason = chunk.finish_reason
     if request.prompt_logprobs is not None:  # vLLM's: every choice of a prompt carries that prompt's
         for i, stream in enumerate(requests.streams):
             found = stream.result(timeout=5).prompt_logprobs  # the stream has ended: no wait

@@ -35,7 +35,7 @@ from .errors import APIError, bad_value, shutting_down
 from .logprobs import _finite
 from .prompts import _check_ids, _encode
 from .sglang_protocol import GenerateRequest, NativeSamplingParams, native_params, sampling_params_of
-from .state import ServerState, watch_disconnect
+from .state import ServerState, collected_chunks
 from .streams import DONE, EventStream, ServerClosing
 
 MAX_BATCH = 2048
@@ -198,17 +198,8 @@ async def generate(state: ServerState, request: GenerateRequest, http_request):
     if request.stream:
         return EventStream(_events(answers, requests, choices, many), requests)
 
-    watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
-    try:
-        async for i, chunk in requests.chunks():
-            _add(choices[i][chunk.index], chunk)
-    except ServerClosing:
-        raise shutting_down() from None
-    except Exception as exc:
-        requests.cancel()
-        raise APIError(f"generation failed: {exc}", status=500) from exc
-    finally:
-        watcher.cancel()
+    async for i, chunk in collected_chunks(http_request, requests):
+        _add(choices[i][chunk.index], chunk)
     out = []
     for i, stream in enumerate(requests.streams):
         output = await asyncio.to_thread(stream.result, 30)  # the stream has ended: at once

@@ -17,7 +17,7 @@ from hyper_gen.inputs import ModelLimits
 from .errors import APIError, bad_value, engine_sleeping, not_supported, shutting_down, unknown_model
 from .logprobs import TokenStrings
 from .params import field_named
-from .streams import Requests
+from .streams import Requests, ServerClosing
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # a chat request without max_tokens on a model that declares no context
 
@@ -158,3 +158,19 @@ async def watch_disconnect(http_request, requests: Requests, every_s: float = 0.
         if await http_request.is_disconnected():
             requests.cancel()
             return
+
+
+async def collected_chunks(http_request, requests: Requests):
+    """``(prompt index, chunk)`` of every stream of a non-streamed answer, cancelling them if the
+    client goes away: the server closing is a 503, the engine failing a request a 500."""
+    watcher = asyncio.ensure_future(watch_disconnect(http_request, requests))
+    try:
+        async for item in requests.chunks():
+            yield item
+    except ServerClosing:
+        raise shutting_down() from None
+    except Exception as exc:
+        requests.cancel()
+        raise APIError(f"generation failed: {exc}", status=500) from exc
+    finally:
+        watcher.cancel()
