@@ -7,6 +7,7 @@ objects ``generate`` is handed.
 from .cache import DynamicCache, KVCache, StaticCache
 from .config import GenerationConfig
 from .generation import generate
+from .grammar import StructuredOutputs
 from .mixin import GenerateMixin
 from .outputs import GenerateOutput
 from .scoring import score
@@ -16,6 +17,7 @@ __all__ = [
     "score",
     "GenerationConfig",
     "GenerateOutput",
+    "StructuredOutputs",
     "KVCache",
     "StaticCache",
     "DynamicCache",

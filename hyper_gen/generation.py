@@ -14,6 +14,7 @@ import numpy as np
 
 from .config import GenerationConfig, resolve_config
 from .drivers import make_driver
+from .grammar import RowGrammars
 from .inputs import ModelLimits, check_against_model, check_rows, check_vocabulary, prepare_prompts
 from .outputs import RoutedExperts, StepRecorder
 from .parallel.model_group import (
@@ -43,6 +44,7 @@ def generate(
     streamer=None,
     on_tokens: Optional[OnTokens] = None,
     tokenizer=None,
+    structured_outputs=None,
     **config_overrides,
 ):
     """Generate continuations of left-padded prompts with ``model``.
@@ -51,7 +53,11 @@ def generate(
     real token, 0 = left padding; None = no padding). Keyword overrides update the config
     (``generate(model, ids, max_new_tokens=8)``). ``streamer``: HF streamer protocol
     (``put(ids)``, ``end()``). ``on_tokens(step, token_ids (B,), finished (B,))``: called after
-    every step with host arrays. ``tokenizer``: an HF tokenizer, needed by ``stop_strings``.
+    every step with host arrays. ``tokenizer``: an HF tokenizer, needed by ``stop_strings`` and
+    ``structured_outputs``: a grammar the generated tokens follow (vLLM's ``StructuredOutputsParams``
+    names, a :class:`~hyper_gen.grammar.StructuredOutputs` or its dict, e.g. ``{"json": schema}``;
+    one for every prompt or a list with one (or None) per prompt), masked into the scores before the
+    processors, so greedy, HF's processors and the seeded sampler choose among what it allows.
 
     Returns an int64 tensor of the model's framework, (B * num_return_sequences, max_total_len):
     row i is its prompt without padding, its generated tokens (with the EOS that ended it), then
@@ -84,8 +90,15 @@ def generate(
         stops = None
         if config.stop_strings:
             stops = StopStrings(config.stop_strings, tokenizer, prompt.take(_repeat_rows(prompt, config)))
+        grammars = None
+        if structured_outputs is not None:
+            vocab = limits.vocab_size or (len(tokenizer) if tokenizer is not None else 0)
+            rows = _repeat_rows(prompt, config)
+            grammars = RowGrammars.build(
+                structured_outputs, tokenizer, vocab, config.eos_token_ids, prompt.batch_size, rows
+            )
         # the driver's own checks (a padded prompt for a forward without attention_mask) before the exchange too
-        loop = _DecodeLoop(model, ops, prompt, config, ops.param_dtype(model), limits, None, stops)
+        loop = _DecodeLoop(model, ops, prompt, config, ops.param_dtype(model), limits, None, stops, grammars)
     except Exception as error:
         refused = error
     # Before any forward, every rank learns whether every rank may go on (a rank that raised alone would
@@ -132,8 +145,9 @@ def _repeat_rows(prompt, config) -> np.ndarray:
 class _DecodeLoop:
     """One generate call's host state: which rows run, what was generated, what to report."""
 
-    def __init__(self, model, ops, prompt, config, dtype, limits, sync, stops):
+    def __init__(self, model, ops, prompt, config, dtype, limits, sync, stops, grammars=None):
         self.model, self.ops, self.config, self.sync, self.stops = model, ops, config, sync, stops
+        self.grammars = grammars
         # per row: max_new_tokens, or fewer where the model's context ends (a row stops there)
         room = limits.new_token_room(prompt, config.max_new_tokens)
         self.steps = int(room.max())
@@ -205,9 +219,12 @@ class _DecodeLoop:
                     offset = sync.row_offset if sync is not None else 0
                     selector = TokenSelector(ops, config, prompt, int(raw.shape[-1]), row_offset=offset)
                     selector.keep_scores = recorder is not None and (config.output_scores or config.output_logprobs)
-                tokens = selector.select(raw, step, ids_view, unfinished, wide=wide)
+                chosen_from = raw if self.grammars is None else self.grammars.mask(ops, raw, unfinished)
+                tokens = selector.select(chosen_from, step, ids_view, unfinished, wide=wide)
                 tokens = agree_on_tokens(ops, self.model, config, tokens)  # framework-RNG draws: rank 0's
                 tokens = np.where(unfinished, tokens, pad)
+                if self.grammars is not None:
+                    self.grammars.observe(tokens, unfinished)
                 if step == generated.shape[1]:
                     generated = _widen(generated, self.steps)
                 generated[:, step] = tokens

@@ -11,7 +11,7 @@ seed drawn from fresh entropy, which every rank shares.
 Logprobs are vLLM's default: the raw logits' float32 ``log_softmax`` (before penalty and
 temperature), the chosen token's and the top k. A row whose logits hold NaN or +inf, or are all
 -inf, gets an error instead of a token (its request fails; the other rows go on). Rows with
-structured outputs (``grammar.py``) then get -inf at the tokens their grammar disallows, after that
+structured outputs (``hyper_gen/grammar.py``) then get -inf at the tokens their grammar disallows, after that
 check (a masked row is no error) and before the penalty, the warpers and the draw; their logprobs
 stay the raw logits' (vLLM's).
 """
@@ -38,7 +38,8 @@ class Selection:
 def select(ops, scores, choices, vocab_size: int, logprobs: bool = True, grammar=None) -> Selection:
     """Tokens for ``choices`` (one a row of ``scores``, (B, V) float32 on the device);
     ``logprobs=False`` skips them (the ranks of a multi-rank engine that stream nothing);
-    ``grammar``: the engine's ``GrammarBackend`` (None: no tokenizer, so no structured outputs)."""
+    ``grammar``: the engine's grammars (``mask(ops, scores, choices, rows)``; None: no tokenizer, so no
+    structured outputs)."""
     out = Selection(len(choices))
     for row, kind in processors.unusable_rows(ops, scores):
         choice = choices[row]

@@ -35,7 +35,14 @@ class _LazyGrammar:
         self._engine = engine
 
     def mask(self, ops, scores, choices, rows):
-        return self._engine.grammar_backend().mask(ops, scores, choices, rows)
+        """``scores`` with each constrained row's grammar applied, its matcher advanced to the choice's tokens."""
+        backend = self._engine.grammar_backend()
+        pairs = []
+        for row in rows:
+            choice = choices[row]
+            choice.grammar = backend.advance(choice.grammar, choice.request.params.structured_outputs, choice.token_ids)
+            pairs.append((choice.grammar[0], row))
+        return backend.mask(ops, scores, pairs)
 
 
 class Engine:
@@ -77,7 +84,7 @@ class Engine:
     def grammar_backend(self):
         """The structured-outputs backend over this engine's tokenizer (built on first use; None without one)."""
         if self._grammar is None and self.tokenizer is not None:
-            from .grammar import GrammarBackend
+            from ..grammar import GrammarBackend
 
             vocab = self.vocab_size or len(self.tokenizer)
             self._grammar = GrammarBackend(self.tokenizer, vocab, self.eos_token_ids)

@@ -106,7 +106,7 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.structured_outputs is not None:
-            from .grammar import StructuredOutputs
+            from ..grammar import StructuredOutputs
 
             self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
         if self.prompt_logprobs is not None:

@@ -46,7 +46,7 @@ class Choice:
         self.token_ids: List[int] = []  # every id drawn (after a stop string too, until its abort arrives)
         self.finish_reason: Optional[str] = None  # as the core ended it (rank 0; "error" on any rank)
         self.seen = None  # device (1, V) bool of ids seen so far, for the repetition penalty
-        self.grammar = None  # structured outputs: [its llguidance matcher, tokens consumed] (grammar.py)
+        self.grammar = None  # structured outputs: [its llguidance matcher, tokens consumed] (hyper_gen/grammar.py)
 
     @property
     def key(self):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from hyper_gen.engine.grammar import StructuredOutputs
+from hyper_gen.grammar import StructuredOutputs
 
 from .errors import bad_value
 

@@ -8,13 +8,14 @@ flag; the default here is True), so even an untrained model closes its object.
 
 The grammar library is llguidance (package index, no dependencies). ``GrammarBackend`` holds the
 engine's tokenizer as llguidance sees it and compiles each distinct grammar once; every choice of a
-request gets its own matcher, which consumes the choice's tokens as they are drawn (``sync``: the
-matcher always stands at ``choice.token_ids``, whatever appended them, so preemption, recompute and
-prefix caching change nothing). Each step, the rows with a grammar fill one int32 bitmask (B, ⌈V/32⌉)
-on the host (llguidance, in Rust, in parallel), which travels to the device as such and is unpacked
-there (``allowed``): the scores of disallowed tokens become -inf before the penalty and the warpers,
-so greedy, HF's processors and the seeded sampler all choose among the allowed tokens. Every rank of
-a multi-rank engine runs its own matchers on the same tokens: they mask alike.
+request gets its own matcher, which consumes the choice's tokens as they are drawn (``advance``: the
+matcher always stands at the row's generated tokens, whatever appended them, so preemption,
+recompute and prefix caching change nothing). The engine and ``generate(...,
+structured_outputs=...)`` share it. Each step, the rows with a grammar fill one int32 bitmask (B,
+⌈V/32⌉) on the host (llguidance, in Rust, in parallel), which travels to the device as such and is
+unpacked there (``allowed``): the scores of disallowed tokens become -inf before the penalty and the
+warpers, so greedy, HF's processors and the seeded sampler all choose among the allowed tokens.
+Every rank of a multi-rank engine runs its own matchers on the same tokens: they mask alike.
 """
 
 from __future__ import annotations
@@ -180,13 +181,13 @@ class GrammarBackend:
             found = self._compiled[key] = matcher
         return found.deep_copy()
 
-    def matcher(self, choice):
-        """The choice's matcher, created on its first draw and advanced to its tokens."""
-        state = getattr(choice, "grammar", None)
+    def advance(self, state, spec: StructuredOutputs, tokens):
+        """``state`` ([matcher, tokens consumed], or None before the first draw) moved to stand at ``tokens``
+        (a row's generated ids so far): it consumes what was appended, and rolls back what a preemption
+        took away, whoever appended or removed them."""
         if state is None:
-            state = choice.grammar = [self.compile(choice.request.params.structured_outputs), 0]
+            state = [self.compile(spec), 0]
         matcher, consumed = state
-        tokens = choice.token_ids
         if consumed > len(tokens):
             matcher.rollback(consumed - len(tokens))
             consumed = len(tokens)
@@ -194,15 +195,15 @@ class GrammarBackend:
             matcher.consume_tokens([int(t) for t in tokens[consumed:]])
             consumed = len(tokens)
         state[1] = consumed
-        return matcher
+        return state
 
-    def mask(self, ops, scores, choices, rows):
-        """``scores`` (B, V) with -inf at the tokens the grammar of each row in ``rows`` disallows."""
+    def mask(self, ops, scores, matchers):
+        """``scores`` (B, V) with -inf at the tokens each ``(matcher, row)`` pair's grammar disallows in its row."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
         batch, width = int(scores.shape[0]), int(scores.shape[-1])
         bitmask = np.full((batch, self.words), -1, dtype=np.int32)
-        fill_next_token_bitmask_par(self.executor, [(self.matcher(choices[r]), r) for r in rows], bitmask)
+        fill_next_token_bitmask_par(self.executor, list(matchers), bitmask)
         allowed = self.allowed(ops, bitmask, width)
         return ops.where(allowed, scores, NEG_INF)
 
@@ -223,4 +224,47 @@ class GrammarBackend:
         return ((bits // divisor) % 2 == 1) & inside
 
 
-__all__ = ["StructuredOutputs", "GrammarBackend", "KINDS"]
+class RowGrammars:
+    """``generate(..., structured_outputs=...)``: one grammar per output row (a spec for every row, or one per
+    prompt, repeated for its ``num_return_sequences``), masked into each step's scores for the rows still
+    running and advanced by the tokens they draw."""
+
+    def __init__(self, backend: GrammarBackend, specs: List[Optional[StructuredOutputs]]):
+        self.backend, self.specs = backend, specs
+        self.states: List[Optional[list]] = [None] * len(specs)
+        self.tokens: List[List[int]] = [[] for _ in specs]
+        for spec in specs:  # a grammar the library rejects: ValueError before any forward
+            if spec is not None:
+                backend.compile(spec)
+
+    @classmethod
+    def build(cls, value, tokenizer, vocab_size: int, eos_token_ids, prompts: int, rows) -> "RowGrammars":
+        """``value``: a ``StructuredOutputs`` / its dict for every prompt, or a list of them (None: free) per prompt;
+        ``rows``: the prompt of each output row."""
+        if tokenizer is None:
+            raise ValueError("structured_outputs needs the tokenizer= argument (the grammar is over its tokens)")
+        if isinstance(value, (list, tuple)):
+            if len(value) != prompts:
+                raise ValueError(f"structured_outputs has {len(value)} entries for {prompts} prompts")
+            per_prompt = [StructuredOutputs.of(v) for v in value]
+        else:
+            per_prompt = [StructuredOutputs.of(value)] * prompts
+        backend = GrammarBackend(tokenizer, vocab_size, eos_token_ids)
+        return cls(backend, [per_prompt[int(r)] for r in rows])
+
+    def mask(self, ops, scores, running: np.ndarray):
+        """``scores`` (B, V) with the running constrained rows' grammars applied."""
+        pairs = []
+        for row, spec in enumerate(self.specs):
+            if spec is not None and running[row]:
+                self.states[row] = self.backend.advance(self.states[row], spec, self.tokens[row])
+                pairs.append((self.states[row][0], row))
+        return self.backend.mask(ops, scores, pairs) if pairs else scores
+
+    def observe(self, tokens: np.ndarray, running: np.ndarray) -> None:
+        """The tokens the running rows drew this step."""
+        for row in np.flatnonzero(running):
+            self.tokens[row].append(int(tokens[row]))
+
+
+__all__ = ["StructuredOutputs", "GrammarBackend", "RowGrammars", "KINDS"]
