@@ -168,3 +168,15 @@ def test_a_baseline_without_json_is_read_from_its_printed_lines():
         "generate step ms b16": 38.0,
     }
     assert parse_output(OLD_STDOUT, "long") == {}
+
+
+def test_structured_scenario_prints_free_and_held_steps(cli, cache_dir):
+    result = cli(["bench", "engine", "--scenarios", "structured", "--json"] + TINY + ["--cache-dir", cache_dir])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert re.search(r"^structured: a decode step \(64-token prompts\) with every row held to a JSON schema", out, re.M)
+    for rows in (1, 16):
+        line = rf"^  batch {rows:2d}: free\s+[\d.]+ tok/s, JSON schema\s+[\d.]+ tok/s -> the schema costs [\d.]+x"
+        assert re.search(line, out, re.M), out
+    (record,) = _records(out)
+    assert list(record["metrics"]) == ["free tok/s b1", "schema tok/s b1", "free tok/s b16", "schema tok/s b16"]

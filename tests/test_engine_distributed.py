@@ -19,5 +19,9 @@ def test_engine_tp2_rank0_equals_single_device_generate():
     checks = json.loads(found.group(1))
     assert checks["greedy"] == [True] * 8, checks
     assert checks["seeded"] and checks["unseeded"] and checks["after_cancel"], checks
+    assert checks["grammar"] == [True, True], checks  # every rank masks alike: rank 0's = generate()'s
+    assert json.loads(checks["grammar_text"][0])["n"] >= 0 and re.fullmatch(
+        "[0-9]{3} (yes|no)", checks["grammar_text"][1]
+    )
     assert checks["stop"] == " 654" and checks["cancel"] == "abort", checks
     assert re.search(r"rank 1: FOLLOWER", log), log[-4000:]

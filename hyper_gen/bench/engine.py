@@ -22,6 +22,9 @@ backend at a time, in one run:
 - ``mixed``: ``chunked``'s workload (16 rows decoding 96 tokens each while a 4096-token prompt is
   chunked in) as one workload: tokens/s of every token generated over the wall time from the first
   submission to the last token, and the running rows' inter-token latency p50 / p99.
+- ``structured``: the cost of structured outputs: the engine's median decode step with every row held to a
+  JSON schema (a string field too long to close within the steps, so every step masks a wide choice)
+  vs the same rows free, at batch 1 and 16; the tokenizer is a 32k byte-level BPE (bench/tokenizer.py).
 - ``text``: output processing per generated token (``IncrementalText`` with the stop string "\\n\\n",
   the demo model's tokenizer, random ids that cannot form the stop) over streams of 256 and 16,384
   tokens, the same number of tokens at each length; no model.
@@ -56,7 +59,7 @@ from hyper_gen.models.loading import load_model
 from .baseline import JSON_PREFIX, Baseline, checkout
 from .models import SHAPES, make_checkpoint
 
-SCENARIOS = ("prefix", "memory", "chunked", "grpo", "step", "long", "mixed", "text")
+SCENARIOS = ("prefix", "memory", "chunked", "grpo", "step", "long", "mixed", "structured", "text")
 WITHOUT_MODEL = ("text",)  # run once, before any backend's model is loaded
 
 
@@ -159,7 +162,7 @@ def _greedy(max_tokens, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
-def _engine(model, args, **changes):
+def _engine(model, args, tokenizer=None, **changes):
     """An engine with the flags' settings and ``changes`` (EngineConfig's field names)."""
     from hyper_gen.engine import Engine, EngineConfig
 
@@ -170,7 +173,7 @@ def _engine(model, args, **changes):
         state_snapshot_blocks=args.state_snapshot_blocks,
         kv_cache_memory_bytes=args.cache_memory_bytes,
     )
-    return Engine(model, config=config.replace(**changes))
+    return Engine(model, tokenizer, config=config.replace(**changes))
 
 
 def _stamped(stream, stamps: list) -> None:
@@ -373,14 +376,15 @@ def grpo(model, args, vocab, rng, hf_s=None):
     return metrics
 
 
-def _engine_step_s(model, args, prompts, steps: int = 32, max_tokens=None) -> float:
+def _engine_step_s(model, args, prompts, steps: int = 32, max_tokens=None, tokenizer=None, **params) -> float:
     """Median seconds of one engine step (a decode of every row, token choice included) once every
     prompt is prefilled, the engine stepped on this thread as generate() runs on it. ``max_tokens``
     (default ``steps + 8``) must leave every row decoding through the timed steps, counting the
-    tokens the first rows decode while the others are still being prefilled."""
-    engine = _engine(model, args).start(background=False)
+    tokens the first rows decode while the others are still being prefilled. ``params``: more
+    ``SamplingParams`` fields for every request (``tokenizer``: the engine's, where they need one)."""
+    engine = _engine(model, args, tokenizer).start(background=False)
     for prompt in prompts:
-        engine.submit(prompt, _greedy(steps + 8 if max_tokens is None else max_tokens))
+        engine.submit(prompt, _greedy(steps + 8 if max_tokens is None else max_tokens, **params))
     while engine.stats()["waiting"] or engine._scheduler.waiting or engine._runner.prefills:
         engine.step()
     timings = []
@@ -443,6 +447,35 @@ def step(model, args, vocab, rng):
                 f"-> paging costs {paged / plain - 1:+.1%} (bar +10%)"
             )
             metrics.update({f"engine step ms b{rows}": paged * 1e3, f"generate step ms b{rows}": plain * 1e3})
+    return metrics
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "string", "minLength": 100000}},
+    "required": ["notes"],
+    "additionalProperties": False,
+}
+
+
+def structured(model, args, vocab, rng):
+    from .tokenizer import bench_tokenizer
+
+    tokenizer = bench_tokenizer(args.cache_dir, vocab)
+    print("structured: a decode step (64-token prompts) with every row held to a JSON schema vs free")
+    metrics = {}
+    with _compiled_from_first(model):
+        for rows in (1, 16):
+            prompts = [rng.integers(10, vocab, 64).tolist() for _ in range(rows)]
+            free = _engine_step_s(model, args, prompts, tokenizer=tokenizer)
+            held = _engine_step_s(
+                model, args, prompts, tokenizer=tokenizer, structured_outputs={"json": STRUCTURED_SCHEMA}
+            )
+            print(
+                f"  batch {rows:2d}: free {rows / free:8.1f} tok/s, JSON schema {rows / held:8.1f} tok/s "
+                f"-> the schema costs {held / free:.2f}x the free step (goal at most 1.10x)"
+            )
+            metrics.update({f"free tok/s b{rows}": rows / free, f"schema tok/s b{rows}": rows / held})
     return metrics
 
 

@@ -57,6 +57,13 @@ with engine:
         time.sleep(0.003)
     seeded = engine.submit(ids[2], SamplingParams(n=2, max_tokens=8, seed=7, temperature=1.5, top_k=6))
     unseeded = engine.submit(ids[3], SamplingParams(max_tokens=5, temperature=1.0))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 999}}, "required": ["n"]}
+    schema["additionalProperties"] = False
+    grammars = [{"json": schema}, {"regex": "[0-9]{3} (yes|no)"}]
+    held = [
+        engine.submit(ids[5], SamplingParams(max_tokens=16, temperature=0, structured_outputs=grammars[0])),
+        engine.submit(ids[6], SamplingParams(max_tokens=16, temperature=1.2, seed=5, structured_outputs=grammars[1])),
+    ]
     stopped = engine.submit(
         tokenizer("rev 123456 =")["input_ids"], SamplingParams(max_tokens=12, temperature=0, stop="3")
     )
@@ -68,6 +75,15 @@ with engine:
     checks["seeded"] = [c.token_ids for c in seeded.result(timeout=120).outputs] == expected
     checks["unseeded"] = len(unseeded.result(timeout=120).outputs[0].token_ids) > 0
     checks["stop"] = stopped.result(timeout=120).outputs[0].text
+    held = [h.result(timeout=120).outputs[0].token_ids for h in held]
+    grammar_refs = [
+        reference(ids[5], 16, tokenizer=tokenizer, structured_outputs=grammars[0]),
+        reference(
+            ids[6], 16, tokenizer=tokenizer, structured_outputs=grammars[1], do_sample=True, temperature=1.2, seed=5
+        ),
+    ]
+    checks["grammar"] = [h == r for h, r in zip(held, grammar_refs)]
+    checks["grammar_text"] = [tokenizer.decode(h, skip_special_tokens=True) for h in held]
     long.cancel()
     checks["cancel"] = long.result(timeout=120).outputs[0].finish_reason
     after = engine.submit(ids[4], SamplingParams(max_tokens=5, temperature=0))
