@@ -21,10 +21,13 @@
   paging costs a decode step, a long-context decode step vs generate's static cache, a mixed
   workload's tokens/s, and output processing per token; ``--baseline PATH`` runs each scenario from
   another checkout too and prints the two side by side.
+- ``rl``: the RL server: ``/update_weights_from_distributed`` over gloo vs a bare broadcast of the same
+  tensors (HTTP, broadcast and apply apart), and ``/generate`` vs ``/v1/completions`` on the same
+  token-id requests.
 - ``text``: the engine's output processing (incremental detokenization, stop strings) per generated
   token at 256 and 16,384 tokens: a cost that grows with the output would show as a ratio above 1.
 
-Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs|engine|text] ...``
+Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs|engine|rl|text] ...``
 (``loop`` when none is named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command>
 --help`` explains every flag with its default. MindSpore's and transformers' own logs are errors
 only (``GLOG_v=3``, unless set), as in the rest of the CLI; ``-v`` shows them.
@@ -123,6 +126,7 @@ def build_parser() -> OneLineParser:
     from .engine import add_parser as add_engine_parser
     from .logprobs import add_parser as add_logprobs_parser
     from .offline import add_parser as add_offline_parser
+    from .rl_server import add_parser as add_rl_parser
     from .serve import add_parser as add_serve_parser
     from .text import add_parser as add_text_parser
     from .update import add_parser as add_update_parser
@@ -132,6 +136,7 @@ def build_parser() -> OneLineParser:
     add_update_parser(sub)
     add_logprobs_parser(sub)
     add_engine_parser(sub)
+    add_rl_parser(sub)
     add_text_parser(sub)
     return parser
 
@@ -154,6 +159,10 @@ def main(argv=None):
         from .engine import run_engine
 
         run_engine(args)
+    elif args.which == "rl":
+        from .rl_server import run_rl
+
+        run_rl(args)
     elif args.which == "serve":
         from .serve import run_serve_bench
 

@@ -1,0 +1,335 @@
+"""``hyper-gen bench rl``: what an RL framework pays to drive ``hyper-gen serve`` over HTTP, each
+next to its anchor, in one run.
+
+- ``weights``: the trainer pushes every tensor of a random-weight checkpoint (``--sync-shape``,
+  default the 0.8B shape) with SGLang's ``/update_weights_from_distributed`` over gloo, as slime and
+  AReaL do: this process is the trainer (group rank 0), a real ``hyper-gen serve`` the other rank.
+  The anchor is a bare ``torch.distributed`` broadcast of the same tensors to a plain receiving process
+  (one broadcast per tensor, then a barrier: when the receiver holds them all). The update's time is
+  split as the trainer sees it: HTTP and checks (from the POST to its first broadcast returning),
+  the broadcasts, and the apply (from the last broadcast to the answer: the all-or-nothing
+  ``update_weights`` at a step boundary). The bar is at most 1.5x the bare broadcast.
+- ``generate``: the same token-id requests (``--requests``, ``--max-tokens`` each, ``ignore_eos``, greedy)
+  through SGLang's ``/generate`` and through ``/v1/completions`` (prompts as token ids,
+  ``return_token_ids``), ``--concurrency`` clients at a time, on a server of ``--serve-shape``: output
+  tokens/s of each. The bar is ``/generate`` no slower.
+
+The host (CPU, ISA, threads) is printed; run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import glob
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List
+
+import numpy as np
+
+from hyper_gen.host import describe_host
+
+from .models import SHAPES, make_checkpoint
+from .serve import READY
+
+PARTS = ("weights", "generate")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """``python -m hyper_gen serve`` on ``path`` (its own process), until ``stop``."""
+
+    def __init__(self, path: str, backend: str, extra=()):
+        cmd = [sys.executable, "-m", "hyper_gen", "serve", "--backend", backend, "--model", path, "--port", "0"]
+        cmd += ["--served-model-name", "bench", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: List[str] = []
+        self.address, ready = None, threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                match = READY.search(line)
+                if match and self.address is None:
+                    self.address = (match.group(1), int(match.group(2)))
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(600)
+        if self.address is None:
+            self.stop()
+            raise SystemExit("hyper-gen bench rl: the server did not start:\n" + "".join(self.lines[-40:]))
+
+    def post(self, path: str, body: dict, timeout: float = 900):
+        conn = http.client.HTTPConnection(*self.address, timeout=timeout)
+        try:
+            conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            payload = response.read()
+            if response.status != 200:
+                raise RuntimeError(f"{path}: HTTP {response.status}: {payload[:300]!r}")
+            return json.loads(payload or b"null")
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _served_checkpoint(shape: str, cache_dir: str) -> str:
+    """The random checkpoint of ``shape`` with a tokenizer beside it (``hyper-gen serve`` loads one; the
+    byte-level BPE of bench/tokenizer.py, at most 32k ids: the weights part sends no text)."""
+    from .tokenizer import bench_tokenizer
+
+    path = make_checkpoint(shape, cache_dir)
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        bench_tokenizer(cache_dir, min(SHAPES[shape]["vocab_size"], 32000)).save_pretrained(path)
+    return path
+
+
+def _tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        tensors.update(load_file(file))
+    return {name: tensors[name].contiguous() for name in sorted(tensors)}
+
+
+RECEIVER = r"""
+import json, sys
+import torch.distributed as dist
+from hyper_gen.backends.torch.weight_group import join
+job = json.load(sys.stdin)
+group = join("127.0.0.1", job["port"], 1, 2, "bare", "gloo", timeout_s=300)
+for _ in range(job["repeats"]):
+    group.receive(job["specs"], 300)
+    dist.barrier(group=group.group)
+group.destroy()
+"""
+
+
+def _bare_broadcasts(tensors: dict, repeats: int) -> List[float]:
+    """Seconds of each bare broadcast of every tensor to a receiving process (until its barrier)."""
+    import torch.distributed as dist
+
+    from hyper_gen.backends.torch.weight_group import join
+
+    port = _free_port()
+    specs = [[n, str(t.dtype).replace("torch.", ""), list(t.shape)] for n, t in tensors.items()]
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, text=True)
+    receiver.stdin.write(json.dumps({"port": port, "repeats": repeats, "specs": specs}))
+    receiver.stdin.close()
+    group = join("127.0.0.1", port, 0, 2, "bare", "gloo", timeout_s=300)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for name, tensor in tensors.items():
+            group.broadcast(tensor, 300, name)
+        dist.barrier(group=group.group)
+        times.append(time.perf_counter() - start)
+    group.destroy()
+    receiver.wait(120)
+    return times
+
+
+def _post_into(server: _Server, body: dict, version: str, done: dict) -> None:
+    """One update's POST (on its own thread: it answers once the broadcasts are received and applied)."""
+    done["answer"] = server.post("/update_weights_from_distributed", dict(body, weight_version=version))
+    done["at"] = time.perf_counter()
+
+
+def _pushes(server: _Server, tensors: dict, repeats: int) -> List[tuple]:
+    """(total, HTTP + checks, broadcasts, apply) seconds of each ``/update_weights_from_distributed``."""
+    from hyper_gen.backends.torch.weight_group import join
+
+    port = _free_port()
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "bench",
+        "backend": "gloo",
+    }
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(init=server.post("/init_weights_update_group", init)))
+    thread.start()
+    group = join("127.0.0.1", port, 0, 2, "bench", "gloo", timeout_s=300)
+    thread.join()
+    names = list(tensors)
+    body = {
+        "names": names,
+        "dtypes": [str(tensors[n].dtype).replace("torch.", "") for n in names],
+        "shapes": [list(tensors[n].shape) for n in names],
+        "group_name": "bench",
+    }
+    out = []
+    for version in range(repeats):
+        done = {}
+        start = time.perf_counter()
+        thread = threading.Thread(target=_post_into, args=(server, body, f"bench-{version}", done))
+        thread.start()
+        first = None
+        for name in names:
+            group.broadcast(tensors[name], 300, name)
+            first = time.perf_counter() if first is None else first
+        last = time.perf_counter()
+        thread.join()
+        if not done.get("answer", {}).get("success"):
+            raise RuntimeError(f"/update_weights_from_distributed failed: {done.get('answer')}")
+        out.append((done["at"] - start, first - start, last - first, done["at"] - last))
+    server.post("/destroy_weights_update_group", {"group_name": "bench"})
+    group.destroy()
+    return out
+
+
+def weights(args) -> dict:
+    path = _served_checkpoint(args.sync_shape, args.cache_dir)
+    tensors = _tensors(path)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(
+        f"weights: {len(tensors)} tensors, {size / 2**20:.0f} MiB ({args.sync_shape} shape) over gloo, "
+        f"best of {args.repeats}"
+    )
+    bare = min(_bare_broadcasts(tensors, args.repeats))
+    server = _Server(path, "torch")
+    try:
+        pushes = _pushes(server, tensors, args.repeats)
+    finally:
+        server.stop()
+    total, http, broadcasts, apply = min(pushes)
+    print(f"  bare torch.distributed broadcast: {bare:8.3f} s ({size / bare / 2**30:.2f} GiB/s)")
+    print(f"  /update_weights_from_distributed: {total:8.3f} s -> {total / bare:.2f}x the bare broadcast (bar 1.5x)")
+    print(f"    HTTP + checks {http:.3f} s, broadcasts {broadcasts:.3f} s, apply {apply:.3f} s")
+    return {"bare s": bare, "update s": total, "update/bare": total / bare, "apply s": apply, "http s": http}
+
+
+def _rate(server: _Server, path: str, bodies: List[dict], concurrency: int) -> float:
+    """Output tokens/s of ``bodies`` posted to ``path``, ``concurrency`` at a time."""
+    queue, lock, tokens, errors = list(bodies), threading.Lock(), [], []
+
+    def client():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                body = queue.pop()
+            try:
+                answer = server.post(path, body)
+            except Exception as exc:  # reported below
+                errors.append(exc)
+                return
+            count = (
+                answer["meta_info"]["completion_tokens"]
+                if path == "/generate"
+                else answer["usage"]["completion_tokens"]
+            )
+            with lock:
+                tokens.append(count)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sum(tokens) / (time.perf_counter() - start)
+
+
+def generate_endpoints(args) -> dict:
+    path = _served_checkpoint(args.serve_shape, args.cache_dir)
+    vocab = SHAPES[args.serve_shape]["vocab_size"]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, vocab, int(rng.integers(16, 64))).tolist() for _ in range(args.requests)]
+    native = [
+        {"input_ids": p, "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}}
+        for p in prompts
+    ]
+    openai = [
+        {
+            "model": "bench",
+            "prompt": p,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        for p in prompts
+    ]
+    print(
+        f"generate: {args.requests} token-id requests of {args.max_tokens} tokens ({args.serve_shape} shape), "
+        f"{args.concurrency} clients, /generate vs /v1/completions (alternating, best of {args.repeats})"
+    )
+    server = _Server(path, args.backend, ["--max-batch-size", str(max(args.concurrency, 1))])
+    try:
+        server.post("/generate", dict(native[0], sampling_params={"max_new_tokens": 2}))  # warm-up
+        rates = {"/generate": [], "/v1/completions": []}
+        for _ in range(args.repeats):
+            rates["/generate"].append(_rate(server, "/generate", native, args.concurrency))
+            rates["/v1/completions"].append(_rate(server, "/v1/completions", openai, args.concurrency))
+    finally:
+        server.stop()
+    native_rate, openai_rate = max(rates["/generate"]), max(rates["/v1/completions"])
+    print(f"  /v1/completions: {openai_rate:8.1f} tok/s")
+    print(f"  /generate:       {native_rate:8.1f} tok/s -> {native_rate / openai_rate:.2f}x (bar: no slower)")
+    return {"generate tok/s": native_rate, "completions tok/s": openai_rate}
+
+
+def part_list(text: str) -> str:
+    """An argparse type: a comma-separated list of PARTS."""
+    import argparse
+
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in PARTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{(unknown or [text])[0]!r} is not one of {', '.join(PARTS)}")
+    return ",".join(names)
+
+
+def add_parser(sub):
+    from .arguments import CACHE_DIR, add_command, positive
+
+    parser = add_command(sub, "rl", "the RL server: weight sync vs a bare broadcast, /generate vs /v1/completions")
+    parser.add_argument(
+        "--parts", type=part_list, default="weights,generate", help=f"comma-separated, from {', '.join(PARTS)}"
+    )
+    parser.add_argument("--sync-shape", default="0.8b", choices=sorted(SHAPES), help="weights: checkpoint shape")
+    parser.add_argument("--serve-shape", default="mid", choices=sorted(SHAPES), help="generate: checkpoint shape")
+    parser.add_argument("--backend", default="torch", choices=["torch", "mindspore"], help="generate: the server's")
+    parser.add_argument("--requests", type=positive, default=32, help="generate: requests per endpoint")
+    parser.add_argument("--max-tokens", type=positive, default=32, help="generate: tokens each request generates")
+    parser.add_argument("--concurrency", type=positive, default=8, help="generate: clients at a time")
+    parser.add_argument("--repeats", type=positive, default=2, help="timed runs of each; the best is kept")
+    parser.add_argument("--cache-dir", default=CACHE_DIR, help="where the random-weight checkpoints are written once")
+    return parser
+
+
+def run_rl(args) -> None:
+    parts = args.parts.split(",")
+    print(describe_host())
+    if "weights" in parts:
+        weights(args)
+    if "generate" in parts:
+        generate_endpoints(args)
+
+
+__all__ = ["add_parser", "run_rl"]
