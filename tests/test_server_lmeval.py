@@ -33,8 +33,12 @@ def _tasks():
 def _evaluate(model: str, model_args: dict):
     """(metrics per task, the per-document responses per task) of one lm-eval run."""
     from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
 
-    out = simple_evaluate(model=model, model_args=model_args, tasks=_tasks(), log_samples=True, bootstrap_iters=0)
+    tasks = TaskManager(include_defaults=False)  # lm-eval's thousands of own tasks: a minute to index, unused
+    out = simple_evaluate(
+        model=model, model_args=model_args, tasks=_tasks(), task_manager=tasks, log_samples=True, bootstrap_iters=0
+    )
     metrics = {task: {k: v for k, v in found.items() if "," in k} for task, found in out["results"].items()}
     samples = {}
     for task, docs in out["samples"].items():
