@@ -28,9 +28,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
 
 
-@pytest.fixture(scope="module", params=["torch", "mindspore"])
+@pytest.fixture(scope="module", params=["torch", pytest.param("mindspore", marks=pytest.mark.slow)])
 def served(request):
-    """(backend, server) per backend."""
+    """(backend, server) per backend (MindSpore's: its graph compiles make each case 6 s or more on 2 cores)."""
     server = Server(serve_cmd(request.param, "--served-model-name", "demo"))
     yield request.param, server
     server.stop()
@@ -193,6 +193,7 @@ def test_each_request_is_logged(served):
     assert re.search(line % 400, server.log) and re.search(line % 200, server.log), server.log
 
 
+@pytest.mark.slow  # a server subprocess of its own, started and signalled
 def test_quiet_logs_no_requests():
     """``-q``: no access lines (the log is the server's, not the backend's: torch's server shows it)."""
     server = Server(serve_cmd("torch", "-q"))
