@@ -2,7 +2,7 @@
 
 Every error is OpenAI's schema (``{"error": {"message", "type", "param", "code"}}``, JSON, never
 Starlette's text/plain) with the right status, naming the parameter and the value; every size a
-request names is bounded before any work; logprobs cover exactly the text returned; a SIGTERM
+request names is bounded before any work; logprobs join to exactly the text returned; a SIGTERM
 ends every open response well-formed. A real server (``BackgroundServer`` on 127.0.0.1 over the
 bundled demo model, torch) answers the official ``openai`` client and raw ``http.client``
 requests (for bodies no client would send). None of this depends on the backend: the body,
@@ -134,13 +134,13 @@ def test_models_retrieve_serves_the_model_card(server, client):
     assert "'org/other-model'" in error["message"]
 
 
-# -- 5. logprobs cover the returned text only ----------------------------------------------------
+# -- 5. logprobs join to the returned text ----------------------------------------------------
 
 
 def _check_completion_logprobs(text, lp):
     assert "".join(lp.tokens) == text, (lp.tokens, text)
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
-    assert all(0 <= offset < len(text) for offset in lp.text_offset), (lp.text_offset, text)
+    assert all(0 <= offset <= len(text) for offset in lp.text_offset), (lp.text_offset, text)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
@@ -152,8 +152,10 @@ def test_completion_logprobs_are_the_tokens_of_the_text(client, stop):
     choice = out.choices[0]
     assert (choice.text, choice.finish_reason) == (want, "stop")
     _check_completion_logprobs(choice.text, choice.logprobs)
-    # the tokens that ended it (EOS, the stop string's) count as generated, without logprobs
-    assert out.usage.completion_tokens == len(want) + (len(stop) if stop else 1)
+    # the tokens that ended it (EOS, the stop string's) count as generated, their entries "" at the text's end
+    assert out.usage.completion_tokens == len(want) + (len(stop) if stop else 1) == len(choice.logprobs.tokens)
+    ended = choice.logprobs.tokens[len(want) :]
+    assert ended == [""] * (len(stop) if stop else 1) and set(choice.logprobs.text_offset[len(want) :]) == {len(want)}
     # streamed: the same tokens, each once its text is out
     chunks = [c for c in client.completions.create(**ask, stream=True) if c.choices]
     text = "".join(c.choices[0].text for c in chunks)
@@ -180,6 +182,7 @@ def test_chat_logprobs_are_the_tokens_of_the_text(client, stream):
         else:
             out = client.chat.completions.create(**ask, stop=stop)
             text, content = out.choices[0].message.content, out.choices[0].logprobs.content
+            assert len(content) == out.usage.completion_tokens  # the EOS / stop tokens too, as ""
         assert text and "".join(t.token for t in content) == text, (stop, [t.token for t in content], text)
         assert all(bytes(t.bytes).decode("utf-8") == t.token and len(t.top_logprobs) == 2 for t in content)
 

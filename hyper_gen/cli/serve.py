@@ -73,6 +73,12 @@ def add_serve_flags(parser) -> None:
         help="split <think>...</think> into reasoning_content (vLLM's names; default: off)",
     )
     parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no access log (by default each request's method, path, status and time go to stderr)",
+    )
+    parser.add_argument(
         "--served-model-name",
         default=None,
         help=f"the name clients pass as 'model' (default: the --model value, or {DEMO_NAME!r})",
@@ -158,6 +164,7 @@ def run_serve(args) -> int:
             on_started=started,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            access_log=not args.quiet,
         )
         print("hyper-gen serve: stopped", file=sys.stderr, flush=True)
         return 0

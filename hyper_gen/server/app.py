@@ -4,7 +4,8 @@
 by whoever owns it (``hyper_gen.server.launch``, a test). Endpoints: ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``;
 ``GET /metrics`` (Prometheus, ``metrics.py``); vLLM's ``POST /sleep`` (``?abort=true``),
-``POST /wake_up`` and ``GET /is_sleeping`` (the engine frees its KV cache and takes it back).
+``POST /wake_up`` and ``GET /is_sleeping`` (the engine frees its KV cache and takes it back);
+vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (``tokenization.py``).
 SGLang's native protocol, for RL trainers: ``POST /generate`` (``sglang.py``) and the control
 endpoints (``control.py``): ``GET /get_weight_version``, ``POST /pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/flush_cache``, ``/release_memory_occupation``,
@@ -23,7 +24,8 @@ from fastapi.responses import JSONResponse, Response
 
 from hyper_gen import __version__
 
-from . import control, errors, weight_sync
+from . import control, errors, tokenization, weight_sync
+from .access_log import AccessLog
 from .body import read_json
 from .chat import create_chat_completion
 from .completions import create_completion
@@ -52,12 +54,16 @@ def create_app(
     max_model_len: Optional[int] = None,
     tool_call_parser: Optional[str] = "hermes",
     reasoning_parser: Optional[str] = None,
+    access_log: bool = False,
 ) -> FastAPI:
+    """``access_log``: a line on stderr per request (``access_log.py``; ``hyper-gen serve`` without ``-q``)."""
     state = ServerState(engine, tokenizer, model_name, max_model_len)
     state.tool_call_parser, state.reasoning_parser = tool_call_parser, reasoning_parser
     app = FastAPI(title="hyper_gen", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hyper_gen = state
     errors.install(app)
+    if access_log:
+        app.add_middleware(AccessLog)
     registry = registry_for(engine, model_name)
 
     def card() -> ModelCard:
@@ -111,6 +117,19 @@ def create_app(
     async def chat_completions(http_request: Request):
         request = await read_json(http_request, ChatCompletionRequest, "messages")
         return await create_chat_completion(state, request, http_request)
+
+    @app.post("/tokenize")
+    async def tokenize(http_request: Request):
+        return tokenization.tokenize(state, await read_json(http_request, tokenization.TokenizeRequest, "prompt"))
+
+    @app.post("/detokenize")
+    async def detokenize(http_request: Request):
+        request = await read_json(http_request, tokenization.DetokenizeRequest, "tokens")
+        return tokenization.detokenize(state, request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenization.tokenizer_info(state)
 
     _native_routes(app, state)
     return app

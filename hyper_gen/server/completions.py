@@ -4,14 +4,15 @@ Choice ``i * n + j`` is prompt ``i``'s ``j``-th sample (as vLLM numbers them). U
 prompt once and every generated token. vLLM's ``return_token_ids``: each choice carries its
 prompt's ids (``prompt_token_ids``, as the engine took them: ids sent are never re-tokenized) and
 the ids it generated (``token_ids``, an EOS or stop token that ended it included); streamed, each
-chunk carries its new ids and a choice's first chunk its prompt's ids.
+chunk carries its new ids and a choice's first chunk its prompt's ids. ``echo`` puts each
+choice's prompt (text, and logprobs with ``logprobs``) in front of it (``echo.py``).
 """
 
 from __future__ import annotations
 
 import time
 
-from . import structured
+from . import echo, structured
 from .errors import APIError, shutting_down
 from .logprobs import merge_completion
 from .params import check_sizes, sampling_params
@@ -33,6 +34,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
     state.check_max_tokens(request.max_tokens, "max_tokens")
     prompts = completion_prompts(request, state.tokenizer, state.vocab_size, state.max_model_len)
     max_tokens = request.max_tokens if request.max_tokens is not None else state.default_max_tokens(prompts)
+    max_tokens = max_tokens or 1  # max_tokens: 0 (echo only): the engine draws one token, left out (echo.py)
     spec = structured.requested(request)
     outputs = structured.build(state, *spec) if spec else None
     params = sampling_params(request, max_tokens, structured_outputs=outputs)
@@ -52,7 +54,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
             if choice.token_ids is None:
                 choice.prompt_token_ids, choice.token_ids = list(prompts[i]), []
             choice.token_ids += [int(t) for t in chunk.token_ids]
-        generated += len(chunk.token_ids)
+        generated += len(chunk.token_ids) if request.max_tokens != 0 else 0
         if want_logprobs:
             aligner = aligners.setdefault(index, state.tokens.choice())
             more = state.tokens.completion(aligner.add(chunk))
@@ -62,13 +64,19 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
                 merge_completion(choice.logprobs, more)
         if chunk.finished:
             choice.finish_reason = chunk.finish_reason
-    if request.prompt_logprobs is not None:  # vLLM's: every choice of a prompt carries that prompt's
+    if request.prompt_logprobs is not None or request.echo:  # vLLM's: each choice of a prompt carries that prompt's
+        texts = echo.prompt_texts(request, prompts, state.tokenizer) if request.echo else None
         for i, stream in enumerate(requests.streams):
             found = stream.result(timeout=5).prompt_logprobs  # the stream has ended: no wait
-            prompt_logprobs = None if found is None else state.tokens.prompt(found)
+            prompt_logprobs = None
+            if found is not None and request.prompt_logprobs is not None:
+                prompt_logprobs = state.tokens.prompt(found, request.prompt_logprobs)
             for j in range(request.n):
-                if i * request.n + j in choices:
-                    choices[i * request.n + j].prompt_logprobs = prompt_logprobs
+                choice = choices.get(i * request.n + j)
+                if choice is not None:
+                    choice.prompt_logprobs = prompt_logprobs
+                    if texts is not None:
+                        echo.prepend(choice, state, request, prompts[i], texts[i], found)
     ordered = [choices[k] for k in sorted(choices)]
     return CompletionResponse(**head, choices=ordered, usage=_usage(prompt_tokens, generated))
 

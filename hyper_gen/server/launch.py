@@ -60,9 +60,8 @@ class _H11(H11Protocol):
 
 
 def _config(app, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(
-        app, http=_H11, log_level=log_level, access_log=log_level in ("debug", "info"), lifespan="off"
-    )
+    # uvicorn's access log off: the app writes its own line per request (access_log.py)
+    return uvicorn.Config(app, http=_H11, log_level=log_level, access_log=False, lifespan="off")
 
 
 class _Server(uvicorn.Server):
@@ -132,12 +131,14 @@ def serve(
     grace_s: float = GRACE_S,
     tool_call_parser: Optional[str] = "hermes",
     reasoning_parser: Optional[str] = None,
+    access_log: bool = True,
 ) -> Optional[int]:
     """Serve the OpenAI endpoints on ``sock`` until SIGINT / SIGTERM; the signal that stopped it.
+    ``access_log``: a line on stderr per request (``access_log.py``).
 
     The engine is started by the caller and shut down here, whatever ends the server."""
     parsers = dict(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
-    app = create_app(engine, tokenizer, model_name, **parsers)
+    app = create_app(engine, tokenizer, model_name, access_log=access_log, **parsers)
     server = _Server(_config(app, log_level), on_started=on_started, state=app.state.hyper_gen, grace_s=grace_s)
     try:
         server.run(sockets=[sock])

@@ -1,8 +1,8 @@
 """A request's sampling parameters as the engine's ``SamplingParams``, or a 400 naming the field.
 
 OpenAI's parameters the engine has no equivalent for are accepted at their defaults only
-(``presence_penalty`` / ``frequency_penalty`` 0, an empty ``logit_bias``, ``echo`` false, no
-``suffix``, ``best_of`` equal to ``n``), so a client is told instead of silently ignored.
+(``presence_penalty`` / ``frequency_penalty`` 0, an empty ``logit_bias``, no ``suffix``,
+``best_of`` equal to ``n``), so a client is told instead of silently ignored.
 ``check_sizes`` bounds every list a request can make the server hold (prompts, stop strings,
 stop token ids) before anything is tokenized or queued; ``n``, ``logprobs`` and
 ``top_logprobs`` are bounded on their fields (``protocol``), ``max_tokens`` by the context
@@ -75,8 +75,12 @@ def _check_unsupported(request) -> None:
     if request.stream_options is not None and not request.stream:
         raise bad_value("stream_options", "stream_options is only allowed when stream is true")
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise bad_value("echo", "echo is not supported (only false)")
+        if request.echo and request.stream:
+            raise bad_value("echo", "echo is not available with stream: true (send stream: false to score a prompt)")
+        if request.max_tokens == 0 and not request.echo:
+            raise bad_value("max_tokens", "max_tokens: 0 needs echo: true (the prompt scored, nothing generated)")
+        if request.max_tokens == 0 and request.min_tokens:
+            raise bad_value("min_tokens", f"min_tokens must be 0 with max_tokens: 0, got {request.min_tokens}")
         if request.suffix:
             raise bad_value("suffix", "suffix is not supported")
         if request.best_of not in (None, request.n):
@@ -117,6 +121,9 @@ def sampling_params(request, max_tokens: int, context=None, structured_outputs=N
         params["logprobs"] = request.logprobs
     if request.prompt_logprobs is not None:
         params["prompt_logprobs"] = request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        # echo's prompt entries are the engine's prompt logprobs (its prefill forward), top logprobs of them
+        params["prompt_logprobs"] = max(request.logprobs, request.prompt_logprobs or 0)
     try:
         return SamplingParams(**params)
     except (TypeError, ValueError) as exc:

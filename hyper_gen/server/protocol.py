@@ -56,7 +56,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, List[str], List[int], List[List[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)  # 0: only with echo (the prompt scored, nothing generated)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)  # vLLM's extra (not with stream)
     echo: bool = False
@@ -112,11 +112,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per generated token."""
+    """The legacy completions format: parallel lists, one entry per generated token (with ``echo``,
+    the prompt's tokens first: the first one's logprob and top logprobs None)."""
 
     tokens: List[str] = []
-    token_logprobs: List[float] = []
-    top_logprobs: List[Dict[str, float]] = []
+    token_logprobs: List[Optional[float]] = []
+    top_logprobs: List[Optional[Dict[str, float]]] = []
     text_offset: List[int] = []
 
 
