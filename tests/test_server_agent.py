@@ -209,3 +209,45 @@ def test_bad_input_is_a_400_naming_the_field(server, extra, field):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, extra_body=extra)
     assert err.value.body["param"] == field, err.value.body
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_qwen3_coder_required_calls_parse_and_validate(seed):
+    """``--tool-call-parser qwen3_coder``: ``required`` constrains the output to qwen3_coder's XML-ish
+    format (not hermes' JSON), which the same parser reads back into a call whose arguments validate."""
+    from types import SimpleNamespace
+
+    from demo_task import DEMO_MODEL_DIR
+    from transformers import AutoTokenizer
+
+    from hyper_gen import generate, load_model
+    from hyper_gen.server.tools import ToolCalls, check_tools, tool_grammar
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    model = load_model(DEMO_MODEL_DIR, backend="torch")
+    request = SimpleNamespace(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=None)
+    functions = check_tools(request)
+    grammar = tool_grammar(request, functions, "qwen3_coder")
+    ids = [tokenizer("rev 123 =")["input_ids"]]
+    out = generate(
+        model, ids, max_new_tokens=200, tokenizer=tokenizer, structured_outputs=grammar, do_sample=True, seed=seed
+    )
+    text = tokenizer.decode(out.numpy()[0, len(ids[0]) :], skip_special_tokens=True)
+    assert text.startswith("<tool_call>\n<function=") and text.endswith("</function>\n</tool_call>"), text
+    content, calls = ToolCalls("qwen3_coder").feed(text, final=True)
+    assert content == "" and len(calls) == 1, (text, calls)
+    name = calls[0]["function"]["name"]
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), functions[name])

@@ -100,14 +100,14 @@ def _constraints(state, request, text: str):
     spec = structured.requested(request)
     outputs = None
     if functions:
-        grammar = tool_grammar(request, functions)
+        grammar = tool_grammar(request, functions, state.tool_call_parser)
         if grammar is not None:
             if spec:
                 raise bad_value(spec[1], f"{spec[1]} cannot be combined with tool_choice {request.tool_choice!r}")
             outputs = structured.build(state, grammar, "tool_choice")
         else:  # the tool schemas must compile even when the output is free
             check = SimpleNamespace(tool_choice="required", parallel_tool_calls=None)
-            structured.build(state, tool_grammar(check, functions), "tools")
+            structured.build(state, tool_grammar(check, functions, state.tool_call_parser), "tools")
     if spec and outputs is None:
         outputs = structured.build(state, *spec)
     tool_parser = state.tool_call_parser if functions and request.tool_choice != "none" else None

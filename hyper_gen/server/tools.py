@@ -4,10 +4,13 @@ and ``qwen3_coder``'s ``<function=...><parameter=...>``), and ``<think>`` split 
 (``--reasoning-parser``: ``qwen3`` / ``deepseek_r1``), whole or streamed.
 
 ``tool_choice="required"`` and a named function constrain the output with the grammar library to the
-hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` with the arguments
-under the function's JSON schema, so even an untrained model returns a valid call (one call;
-``parallel_tool_calls: true`` with ``required`` allows several). The text and token ids returned
-are those sampled, tool-call text included.
+server's tool-call format, so even an untrained model returns a valid call (one call;
+``parallel_tool_calls: true`` with ``required`` allows several): hermes' ``<tool_call>\\n{"name": ...,
+"arguments": {...}}\\n</tool_call>`` with the arguments under the function's JSON schema, or
+qwen3_coder's ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n
+</tool_call>`` with each parameter's value JSON under its property's schema (the parser reads a value as
+JSON where it parses, so a string comes back a string), the schema's required parameters present.
+The text and token ids returned are those sampled, tool-call text included.
 """
 
 from __future__ import annotations
@@ -62,8 +65,38 @@ def _call_schema(name: str, params: dict) -> dict:
     }
 
 
-def tool_grammar(request, functions: dict) -> Optional[dict]:
-    """The ``lark`` structured outputs for ``required`` / a named function (None: the output is free)."""
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _hermes_call(names: List[str], functions: dict) -> str:
+    schemas = [_call_schema(n, functions[n]) for n in names]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema["x-guidance"] = _JSON_STYLE
+    return f"call: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}"
+
+
+def _coder_call(names: List[str], functions: dict) -> str:
+    """qwen3_coder's call: one rule per function, one per parameter (optional ones may be left out)."""
+    rules, alternatives = [], []
+    for f, name in enumerate(names):
+        params = functions[name]
+        required = set(params.get("required", ()))
+        parts = []
+        for p, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            schema = dict(schema) if isinstance(schema, dict) else {}
+            schema["x-guidance"] = _JSON_STYLE
+            head, tail = json.dumps(f"<parameter={key}>\n"), json.dumps("\n</parameter>\n")
+            rules.append(f"f{f}_p{p}: {head} %json {json.dumps(schema)} {tail}")
+            parts.append(f"f{f}_p{p}" + ("" if key in required else "?"))
+        head = json.dumps(f"{OPEN}\n<function={name}>\n")
+        rules.append(f"f{f}: {head} {' '.join(parts)} {json.dumps('</function>' + chr(10) + CLOSE)}")
+        alternatives.append(f"f{f}")
+    return "\n".join([f"call: {' | '.join(alternatives)}"] + rules)
+
+
+def tool_grammar(request, functions: dict, parser: Optional[str] = "hermes") -> Optional[dict]:
+    """The ``lark`` structured outputs for ``required`` / a named function in the format of ``parser`` (the
+    server's ``--tool-call-parser``) (None: the output is free)."""
     choice = request.tool_choice
     if isinstance(choice, dict):
         names = [choice["function"]["name"]]
@@ -71,10 +104,7 @@ def tool_grammar(request, functions: dict) -> Optional[dict]:
         names = list(functions)
     else:
         return None
-    schemas = [_call_schema(n, functions[n]) for n in names]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    call = f"call: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}"
+    call = _coder_call(names, functions) if parser == "qwen3_coder" else _hermes_call(names, functions)
     many = choice == "required" and request.parallel_tool_calls is True
     start = 'start: call ("\\n" call)*' if many else "start: call"
     return {"lark": f"{start}\n{call}\n"}
