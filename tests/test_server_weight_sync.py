@@ -86,8 +86,9 @@ def generated(http, ids):
     return [o["output_ids"] for o in out], {o["meta_info"]["weight_version"] for o in out}
 
 
-def trainer(url, checkpoint, version, bad=()):
+def trainer(url, checkpoint, version, bad=(), load_format=None):
     job = {
+        "load_format": load_format,
         "url": url,
         "master_port": free_port(),
         "group_name": "rl",
@@ -133,6 +134,28 @@ def test_distributed_update_from_a_trainer_process(torch_server, ids, pushed):
     assert versions == {"step-1"} and ok(http.get("/get_weight_version")) == {"weight_version": "step-1"}
     assert after == expected("torch", pushed, ids)
     assert after != before
+
+
+def test_flattened_bucket_update_and_its_one_dtype(torch_server, ids, tmp_path):
+    """SGLang's ``load_format: "flattened_bucket"``: one broadcast of every tensor flattened in order."""
+    server, http = torch_server
+    third = second_checkpoint(tmp_path / "seed2", seed=2)
+    out = trainer(server.url, third, "bucket-1", load_format="flattened_bucket")
+    assert ok(out["update"])["success"] and ok(out["destroy"])["success"], out
+    after, versions = generated(http, ids)
+    assert versions == {"bucket-1"} and after == expected("torch", third, ids)
+    mixed = {
+        "names": ["model.norm.weight", "lm_head.weight"],
+        "dtypes": ["float32", "bfloat16"],
+        "shapes": [[1], [1]],
+        "group_name": "rl",
+        "load_format": "flattened_bucket",
+    }
+    status, body = http.post("/update_weights_from_distributed", mixed)
+    assert status == 400 and body["error"]["param"] == "dtypes" and "one dtype" in body["error"]["message"], body
+    status, body = http.post("/update_weights_from_distributed", dict(mixed, load_format="npz"))
+    assert status == 400 and body["error"]["param"] == "load_format", body
+    assert ok(http.get("/get_weight_version")) == {"weight_version": "bucket-1"}
 
 
 def _safetensors_body(folder, version, **change):

@@ -10,10 +10,11 @@
 first (a name it lacks, a shape that disagrees, a dtype it cannot take: a 400 naming ``names`` /
 ``shapes`` / ``dtypes``; the trainer's broadcasts are still received and dropped, so its side and
 the group stay usable), then received from group rank 0 in the order of ``names`` (one broadcast
-per tensor, as SGLang receives them) and applied as one ``Engine.update_weights`` at a step
-boundary: every tensor of the call or none. ``POST /destroy_weights_update_group``
-(``group_name``). ``POST /update_weights_from_tensor`` (``serialized_named_tensors``: base64
-safetensors, ``tensor_body``), on every backend.
+per tensor, as SGLang receives them; with ``load_format: "flattened_bucket"``, SGLang's bucket: one
+broadcast of the tensors flattened and concatenated in that order, all of one dtype) and applied as
+one ``Engine.update_weights`` at a step boundary: every tensor of the call or none.
+``POST /destroy_weights_update_group`` (``group_name``). ``POST /update_weights_from_tensor``
+(``serialized_named_tensors``: base64 safetensors, ``tensor_body``), on every backend.
 
 Every wait for the trainer is bounded by ``HYPER_GEN_WEIGHT_SYNC_TIMEOUT_S`` (default 300 s): the
 rendezvous, the group's creation, each broadcast. A timeout is a 500 naming what was waited for;
@@ -36,6 +37,7 @@ from .sglang import version_text
 from .sglang_protocol import DestroyGroupRequest, DistributedUpdateRequest, InitGroupRequest, TensorUpdateRequest
 
 TIMEOUT_ENV = "HYPER_GEN_WEIGHT_SYNC_TIMEOUT_S"
+FLATTENED = "flattened_bucket"
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TENSOR_BODY_BYTES = 8 << 30  # /update_weights_from_tensor carries the weights themselves
 
@@ -176,8 +178,17 @@ class WeightGroups:
 
     async def update(self, state_abort_all, request: DistributedUpdateRequest) -> dict:
         adapter = self._adapter("POST /update_weights_from_distributed")
-        if request.load_format not in (None, "auto"):
-            raise bad_value("load_format", f"load_format must be null or auto, got {request.load_format!r}")
+        if request.load_format not in (None, "auto", FLATTENED):
+            raise bad_value(
+                "load_format", f"load_format must be null, auto or {FLATTENED}, got {request.load_format!r}"
+            )
+        flattened = request.load_format == FLATTENED
+        if flattened and len(set(request.dtypes)) > 1:  # refused before any broadcast: of which dtype would it be?
+            raise bad_value(
+                "dtypes",
+                f"a {FLATTENED} update carries one dtype, got {sorted(set(request.dtypes))}; the update "
+                "was not applied",
+            )
         async with self.lock:
             field, message, drainable = self._announced(adapter, request)
             if field is not None and not drainable:  # nothing can be received: the broadcasts cannot be drained
@@ -189,13 +200,13 @@ class WeightGroups:
                 note = ""
                 if drainable:  # keep the trainer's side and the group in step: take its broadcasts, drop them
                     try:
-                        await asyncio.to_thread(group.receive, specs, wait)
+                        await asyncio.to_thread(group.receive, specs, wait, flattened)
                         note = " (the broadcast tensors were received and dropped)"
                     except TimeoutError:
                         note = f" (no broadcast came within {wait:g}s)"
                 raise bad_value(field, f"the update was not applied: {message}{note}")
             try:
-                weights = await asyncio.to_thread(group.receive, specs, wait)
+                weights = await asyncio.to_thread(group.receive, specs, wait, flattened)
             except TimeoutError as exc:
                 self.groups.pop(request.group_name, None)
                 await asyncio.to_thread(group.destroy)

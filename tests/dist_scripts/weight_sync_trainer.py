@@ -1,7 +1,8 @@
 """A trainer process pushing weights to ``hyper-gen serve`` as SGLang's trainers do (slime, AReaL).
 
 stdin: {"url", "master_port", "group_name", "checkpoint": a folder whose safetensors are pushed,
-"weight_version", "bad": [optional extra announced updates expected to be 400s: {"names", "dtypes",
+"weight_version", "load_format": [optional: "flattened_bucket" sends one bucket],
+"bad": [optional extra announced updates expected to be 400s: {"names", "dtypes",
 "shapes"} overrides of the good one, broadcast all the same]}; stdout: one JSON object with each
 HTTP answer ({"init", "bad": [...], "update", "destroy"}: [status, body]). The trainer is rank 0 of
 a gloo group of two, hosting the rendezvous; each POST runs on a thread while this thread joins /
@@ -77,9 +78,14 @@ def main():
             print(f"broadcast of a bad update stopped: {exc}", file=sys.stderr)
         thread.join()
         result["bad"].append(out["answer"])
+    if job.get("load_format"):
+        update["load_format"] = job["load_format"]
     thread, out = in_background(url, "/update_weights_from_distributed", update)
-    for n in names:
-        group.broadcast(tensors[n].contiguous(), 60, n)
+    if job.get("load_format") == "flattened_bucket":  # SGLang's bucket: one broadcast of them all, in order
+        group.broadcast(torch.cat([tensors[n].flatten() for n in names]), 60, "the bucket")
+    else:
+        for n in names:
+            group.broadcast(tensors[n].contiguous(), 60, n)
     thread.join()
     result["update"] = out["answer"]
     result["destroy"] = post(url, "/destroy_weights_update_group", {"group_name": name})

@@ -16,6 +16,7 @@ each broadcast; a timeout is a ``TimeoutError`` naming what was waited for.
 from __future__ import annotations
 
 import datetime
+import math
 from typing import List, Sequence, Tuple
 
 import torch
@@ -69,8 +70,18 @@ class WeightGroup:
         if done is False:
             raise TimeoutError(f"{what}: no broadcast from the trainer within {timeout_s:g}s")
 
-    def receive(self, specs: Sequence[Tuple[str, str, Sequence[int]]], timeout_s: float) -> List[tuple]:
-        """``[(name, tensor)]``: each ``(name, dtype, shape)`` received from rank 0, in order."""
+    def receive(
+        self, specs: Sequence[Tuple[str, str, Sequence[int]]], timeout_s: float, flattened: bool = False
+    ) -> List[tuple]:
+        """``[(name, tensor)]``: each ``(name, dtype, shape)`` received from rank 0, in order: one broadcast
+        per tensor, or with ``flattened`` (SGLang's ``load_format="flattened_bucket"``: one dtype) one
+        broadcast of them all flattened and concatenated in that order, split back here."""
+        if flattened:
+            sizes = [math.prod(shape) for _, _, shape in specs]
+            bucket = torch.empty(sum(sizes), dtype=dtype_of(specs[0][1]), device=self.device)
+            self.broadcast(bucket, timeout_s, f"group {self.name!r}, a flattened bucket of {len(specs)} tensors")
+            pieces = torch.split(bucket, sizes)
+            return [(name, piece.view(tuple(shape))) for (name, _, shape), piece in zip(specs, pieces)]
         out = []
         for name, dtype, shape in specs:
             tensor = torch.empty(tuple(shape), dtype=dtype_of(dtype), device=self.device)
