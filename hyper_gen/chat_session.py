@@ -85,7 +85,7 @@ class ChatSession:
         :class:`MessageTooLong` (nothing sent) when the message cannot fit the context."""
         self._check_driver("send")
         if self._last is not None:  # one turn at a time: the previous one ends first (its pieces are kept)
-            self._last.text
+            self._last.wait()
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, got {type(text).__name__}")
         try:
@@ -264,11 +264,15 @@ class Reply:
         self._parts.append(item)
         return item
 
+    def wait(self) -> "Reply":
+        """Run the rest of the turn (its pieces are kept for ``text``)."""
+        for _ in self:
+            pass
+        return self
+
     @property
     def text(self) -> str:
-        for _ in self:  # the rest of the turn
-            pass
-        return "".join(self._parts)
+        return "".join(self.wait()._parts)
 
     def __str__(self):
         return self.text
