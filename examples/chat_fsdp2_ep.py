@@ -101,8 +101,8 @@ class ExpertParallel(nn.Module):
         send, recv = send_counts.tolist(), recv_counts.tolist()
         # dispatch: the pairs' hidden states and their experts (local index) to the experts' ranks
         x = self._exchange(hidden[order // k], recv, send)
-        ids = expert[order].to(hidden.dtype).unsqueeze(1) - self.ep_rank * self.local
-        local_ids = self._exchange(ids, recv, send, differentiable=False).squeeze(1).long()
+        ids = self._exchange(expert[order].unsqueeze(1), recv, send, differentiable=False)
+        local_ids = ids.squeeze(1) - self.ep_rank * self.local  # the receiver's own slice of the experts
         y = torch.zeros_like(x)
         for e in range(self.local):
             rows = (local_ids == e).nonzero().squeeze(1)
