@@ -143,32 +143,34 @@ class _AllToAll(torch.autograd.Function):
 
 def expert_parallel(model, ep_size: int):
     """Replace every MoE layer's experts with this rank's :class:`ExpertParallel` slice (ranks in
-    groups of ``ep_size`` consecutive ranks); returns the expert parameters (which FSDP ignores)."""
+    groups of ``ep_size`` consecutive ranks). Returns (the expert parameters, in one order on every
+    rank, which FSDP ignores; the group of the ranks holding the same slice, whose gradients add up)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % ep_size or model.config.num_experts % ep_size:
         experts = model.config.num_experts
         raise ValueError(f"ep_size {ep_size} must divide the world ({world}) and the experts ({experts})")
     groups = [dist.new_group(list(range(s, s + ep_size))) for s in range(0, world, ep_size)]
-    group = groups[rank // ep_size]
-    params = set()
+    replicas = [dist.new_group(list(range(r, world, ep_size))) for r in range(ep_size)]
+    params = []
     for layer in model.model.layers:
-        layer.mlp.experts = ExpertParallel(layer.mlp.experts, group, ep_size)
-        params.update(layer.mlp.experts.parameters())
-    return params
+        layer.mlp.experts = ExpertParallel(layer.mlp.experts, groups[rank // ep_size], ep_size)
+        params += list(layer.mlp.experts.parameters())
+    return params, replicas[rank % ep_size]
 
 
 def shard(model, ep_size: int):
-    """Experts over ``ep_size`` ranks, FSDP2 over the rest (each decoder layer, then the root)."""
-    experts = expert_parallel(model, ep_size)
+    """Experts over ``ep_size`` ranks, FSDP2 over the rest (each decoder layer, then the root);
+    returns what :func:`expert_parallel` does."""
+    experts, replicas = expert_parallel(model, ep_size)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
-        fully_shard(layer, ignored_params=experts)
-    fully_shard(model, ignored_params=experts)
-    return experts
+        fully_shard(layer, ignored_params=set(experts))
+    fully_shard(model, ignored_params=set(experts))
+    return experts, replicas
 
 
-def train(model, tokenizer, experts, steps: int, ep_size: int):
+def train(model, tokenizer, experts, replicas, steps: int):
     """A few optimizer steps on the demo task (each rank its own batch)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -179,10 +181,11 @@ def train(model, tokenizer, experts, steps: int, ep_size: int):
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         loss = model(**batch, labels=labels).loss
         loss.backward()
-        # expert gradients: the all_to_all's backward summed every rank's tokens; FSDP averages over ranks
+        # expert gradients: the all_to_all's backward summed its EP group's tokens; add the other EP
+        # groups' (the ranks holding the same slice), then average over every rank as FSDP does
         for param in experts:
-            if world > ep_size:  # the same slice on ranks of other EP groups: sum them too
-                dist.all_reduce(param.grad)
+            if dist.get_world_size(replicas) > 1:
+                dist.all_reduce(param.grad, group=replicas)
             param.grad /= world
         optimizer.step()
         optimizer.zero_grad()
@@ -207,10 +210,10 @@ def main():
 
     # 1. the trainer's model: experts over ep_size ranks, FSDP2 over the rest
     model = tiny_moe(tokenizer, seed=args.seed)
-    experts = shard(model, args.ep_size or world)
+    experts, replicas = shard(model, args.ep_size or world)
 
     # 2. a few optimizer steps
-    train(model, tokenizer, experts, args.steps, args.ep_size or world)
+    train(model, tokenizer, experts, replicas, args.steps)
     model.eval()
 
     # 3. a rollout with logprobs: each rank its own prompts

@@ -10,12 +10,13 @@ other rank wrote nothing and returned the same history; every rank exited 0.
 """
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from demo_task import is_correct
-from launch import _env, msrun, script, torchrun
+from launch import REPO, _env, msrun, script, torchrun
 
 TIMEOUT_S, PAUSE_S = 5, 12  # the torchrun jobs' group timeout, and rank 0's pause between two lines
 
@@ -177,3 +178,15 @@ def test_chat_reads_stdin_by_default_and_an_input_error_ends_it(demo, monkeypatc
 
     with pytest.raises(OSError, match="terminal went away"):
         hyper_gen.chat(model, tokenizer, input=broken, output=io.StringIO())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_fsdp2_ep_example_trains_rolls_out_and_chats(tmp_path):
+    result = torchrun([os.path.join(REPO, "examples", "chat_fsdp2_ep.py"), "--steps", "2"], timeout=400)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-3000:]
+    losses = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and losses[1] < losses[0], out[-3000:]  # the experts' gradients came back too
+    assert sum(" rollout: " in line and "logprob=" in line for line in out.splitlines()) == 3, out[-3000:]
+    assert out.count("Assistant: ") == 2 and "User: rev 123 =" in out and "User: rev 45 =" in out, out[-3000:]
