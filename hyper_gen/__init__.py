@@ -5,6 +5,8 @@ objects ``generate`` is handed.
 """
 
 from .cache import DynamicCache, KVCache, StaticCache
+from .chat_loop import chat
+from .chat_session import ChatSession
 from .config import GenerationConfig
 from .generation import generate
 from .grammar import StructuredOutputs
@@ -15,6 +17,8 @@ from .scoring import score
 __all__ = [
     "generate",
     "score",
+    "chat",
+    "ChatSession",
     "GenerationConfig",
     "GenerateOutput",
     "StructuredOutputs",

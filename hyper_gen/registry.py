@@ -37,6 +37,8 @@ Optional, asked for with ``getattr`` (a server answers what an adapter lacks wit
   timeout_s)``: join a trainer's weight-update group (SGLang's ``/init_weights_update_group``),
   returning a group with ``receive(specs, timeout_s)`` and ``destroy()``; ``weight_dtype_is_floating(text)``
   (a ValueError for a dtype it does not know); ``WEIGHT_GROUP_BACKENDS``.
+- ``group_timeout_s() -> float | None``: the collective timeout of the job's default group as the
+  program created it (a chat's heartbeat stays well inside it).
 
 The torch adapter also offers ``cpu_products(x, w)``, the float32 CPU products its kernels run
 (``bench models`` times the host's anchors with torch), and ``load_sharded(path, dtype, sharder)``:

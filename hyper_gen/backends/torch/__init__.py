@@ -18,6 +18,7 @@ from hyper_gen.models import fixed_logits
 
 from . import kernels, models
 from .devices import default_device, distributed_backend, npu_available, rank_device, resolve_device
+from .launch import group_timeout_s
 from .launch import init_from_env as init_distributed
 from .launch import shutdown as shutdown_distributed
 from .ops import TorchOps, torch_dtype

@@ -38,6 +38,25 @@ def init_from_env(device: str = None, timeout_s: float = None) -> bool:
     return True
 
 
+def group_timeout_s() -> Optional[float]:
+    """The default process group's own collective timeout in seconds (the program may have created
+    the group with any ``init_process_group(timeout=)``), None without a group or where torch hides it."""
+    if not dist.is_initialized():
+        return None
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return float(group._get_backend(default_device_of(group)).options._timeout.total_seconds())
+    except Exception:  # private attributes: absent or changed in another torch
+        return None
+
+
+def default_device_of(group):
+    """The device a group's collectives run on (CPU for gloo)."""
+    import torch
+
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(default_device())
+
+
 def timeout_description() -> str:
     """What the waiting rank's error says about the timeout it ran into."""
     if _joined_timeout_s is None:
