@@ -112,12 +112,19 @@ def _tensors(path: str) -> dict:
     return {name: tensors[name].contiguous() for name in sorted(tensors)}
 
 
+def _join(port: int, rank: int, name: str):
+    """A gloo weight-update group of two (the torch adapter's; gloo needs no model)."""
+    from hyper_gen import registry
+
+    return registry.adapter("torch").join_weight_group(None, "127.0.0.1", port, rank, 2, name, "gloo", 300)
+
+
 RECEIVER = r"""
 import json, sys
 import torch.distributed as dist
-from hyper_gen.backends.torch.weight_group import join
+from hyper_gen.bench.rl_server import _join
 job = json.load(sys.stdin)
-group = join("127.0.0.1", job["port"], 1, 2, "bare", "gloo", timeout_s=300)
+group = _join(job["port"], 1, "bare")
 for _ in range(job["repeats"]):
     group.receive(job["specs"], 300)
     dist.barrier(group=group.group)
@@ -129,14 +136,12 @@ def _bare_broadcasts(tensors: dict, repeats: int) -> List[float]:
     """Seconds of each bare broadcast of every tensor to a receiving process (until its barrier)."""
     import torch.distributed as dist
 
-    from hyper_gen.backends.torch.weight_group import join
-
     port = _free_port()
     specs = [[n, str(t.dtype).replace("torch.", ""), list(t.shape)] for n, t in tensors.items()]
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, text=True)
     receiver.stdin.write(json.dumps({"port": port, "repeats": repeats, "specs": specs}))
     receiver.stdin.close()
-    group = join("127.0.0.1", port, 0, 2, "bare", "gloo", timeout_s=300)
+    group = _join(port, 0, "bare")
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -157,8 +162,6 @@ def _post_into(server: _Server, body: dict, version: str, done: dict) -> None:
 
 def _pushes(server: _Server, tensors: dict, repeats: int) -> List[tuple]:
     """(total, HTTP + checks, broadcasts, apply) seconds of each ``/update_weights_from_distributed``."""
-    from hyper_gen.backends.torch.weight_group import join
-
     port = _free_port()
     init = {
         "master_address": "127.0.0.1",
@@ -171,7 +174,7 @@ def _pushes(server: _Server, tensors: dict, repeats: int) -> List[tuple]:
     answer = {}
     thread = threading.Thread(target=lambda: answer.update(init=server.post("/init_weights_update_group", init)))
     thread.start()
-    group = join("127.0.0.1", port, 0, 2, "bench", "gloo", timeout_s=300)
+    group = _join(port, 0, "bench")
     thread.join()
     names = list(tensors)
     body = {
