@@ -15,9 +15,11 @@ def test_bench_rl_prints_weight_sync_and_endpoint_rows(cli, tmp_path):
     for pattern in (
         r"^host: ",
         r"^weights: \d+ tensors, \d+ MiB \(tiny shape\) over gloo, best of 1$",
-        r"^  bare torch\.distributed broadcast:\s+[\d.]+ s \([\d.]+ GiB/s\)$",
-        r"^  /update_weights_from_distributed:\s+[\d.]+ s -> [\d.]+x the bare broadcast \(bar 1\.5x\)$",
-        r"^    HTTP \+ checks [\d.]+ s, broadcasts [\d.]+ s, apply [\d.]+ s$",
+        r"^  one broadcast per tensor:$",
+        r"^  one flattened bucket:$",
+        r"^    bare torch\.distributed broadcast:\s+[\d.]+ s \([\d.]+ GiB/s\)$",
+        r"^    /update_weights_from_distributed:\s+[\d.]+ s -> [\d.]+x the bare broadcast \(bar 1\.5x\)$",
+        r"^      HTTP \+ checks [\d.]+ s, broadcasts [\d.]+ s, apply [\d.]+ s$",
         r"^  /v1/completions:\s+[\d.]+ tok/s$",
         r"^  /generate:\s+[\d.]+ tok/s -> [\d.]+x \(bar: no slower\)$",
     ):

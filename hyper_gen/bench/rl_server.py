@@ -8,7 +8,9 @@ next to its anchor, in one run.
   (one broadcast per tensor, then a barrier: when the receiver holds them all). The update's time is
   split as the trainer sees it: HTTP and checks (from the POST to its first broadcast returning),
   the broadcasts, and the apply (from the last broadcast to the answer: the all-or-nothing
-  ``update_weights`` at a step boundary). The bar is at most 1.5x the bare broadcast.
+  ``update_weights`` at a step boundary). Both ways SGLang takes: one broadcast per tensor, and
+  ``load_format: "flattened_bucket"`` (one broadcast of them all). The bar is at most 1.5x the bare
+  broadcast.
 - ``generate``: the same token-id requests (``--requests``, ``--max-tokens`` each, ``ignore_eos``, greedy)
   through SGLang's ``/generate`` and through ``/v1/completions`` (prompts as token ids,
   ``return_token_ids``), ``--concurrency`` clients at a time, on a server of ``--serve-shape``: output
@@ -126,26 +128,35 @@ from hyper_gen.bench.rl_server import _join
 job = json.load(sys.stdin)
 group = _join(job["port"], 1, "bare")
 for _ in range(job["repeats"]):
-    group.receive(job["specs"], 300)
+    group.receive(job["specs"], 300, job["flattened"])
     dist.barrier(group=group.group)
 group.destroy()
 """
 
 
-def _bare_broadcasts(tensors: dict, repeats: int) -> List[float]:
+def _sends(tensors: dict, flattened: bool) -> list:
+    """What the trainer broadcasts, in order: each tensor, or one bucket of them all (built beforehand)."""
+    if not flattened:
+        return list(tensors.items())
+    import torch
+
+    return [("the bucket", torch.cat([t.flatten() for t in tensors.values()]))]
+
+
+def _bare_broadcasts(tensors: dict, repeats: int, flattened: bool) -> List[float]:
     """Seconds of each bare broadcast of every tensor to a receiving process (until its barrier)."""
     import torch.distributed as dist
 
     port = _free_port()
     specs = [[n, str(t.dtype).replace("torch.", ""), list(t.shape)] for n, t in tensors.items()]
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, text=True)
-    receiver.stdin.write(json.dumps({"port": port, "repeats": repeats, "specs": specs}))
+    receiver.stdin.write(json.dumps({"port": port, "repeats": repeats, "specs": specs, "flattened": flattened}))
     receiver.stdin.close()
     group = _join(port, 0, "bare")
-    times = []
+    sends, times = _sends(tensors, flattened), []
     for _ in range(repeats):
         start = time.perf_counter()
-        for name, tensor in tensors.items():
+        for name, tensor in sends:
             group.broadcast(tensor, 300, name)
         dist.barrier(group=group.group)
         times.append(time.perf_counter() - start)
@@ -160,7 +171,7 @@ def _post_into(server: _Server, body: dict, version: str, done: dict) -> None:
     done["at"] = time.perf_counter()
 
 
-def _pushes(server: _Server, tensors: dict, repeats: int) -> List[tuple]:
+def _pushes(server: _Server, tensors: dict, repeats: int, flattened: bool) -> List[tuple]:
     """(total, HTTP + checks, broadcasts, apply) seconds of each ``/update_weights_from_distributed``."""
     port = _free_port()
     init = {
@@ -183,15 +194,17 @@ def _pushes(server: _Server, tensors: dict, repeats: int) -> List[tuple]:
         "shapes": [list(tensors[n].shape) for n in names],
         "group_name": "bench",
     }
-    out = []
+    if flattened:
+        body["load_format"] = "flattened_bucket"
+    sends, out = _sends(tensors, flattened), []
     for version in range(repeats):
         done = {}
         start = time.perf_counter()
         thread = threading.Thread(target=_post_into, args=(server, body, f"bench-{version}", done))
         thread.start()
         first = None
-        for name in names:
-            group.broadcast(tensors[name], 300, name)
+        for name, tensor in sends:
+            group.broadcast(tensor, 300, name)
             first = time.perf_counter() if first is None else first
         last = time.perf_counter()
         thread.join()
@@ -211,17 +224,25 @@ def weights(args) -> dict:
         f"weights: {len(tensors)} tensors, {size / 2**20:.0f} MiB ({args.sync_shape} shape) over gloo, "
         f"best of {args.repeats}"
     )
-    bare = min(_bare_broadcasts(tensors, args.repeats))
     server = _Server(path, "torch")
+    metrics = {}
     try:
-        pushes = _pushes(server, tensors, args.repeats)
+        for flattened in (False, True):
+            bare = min(_bare_broadcasts(tensors, args.repeats, flattened))
+            total, http, broadcasts, apply = min(_pushes(server, tensors, args.repeats, flattened))
+            how = "one flattened bucket" if flattened else "one broadcast per tensor"
+            print(f"  {how}:")
+            print(f"    bare torch.distributed broadcast: {bare:8.3f} s ({size / bare / 2**30:.2f} GiB/s)")
+            print(
+                f"    /update_weights_from_distributed: {total:8.3f} s -> {total / bare:.2f}x the bare broadcast "
+                "(bar 1.5x)"
+            )
+            print(f"      HTTP + checks {http:.3f} s, broadcasts {broadcasts:.3f} s, apply {apply:.3f} s")
+            key = "bucket" if flattened else "per tensor"
+            metrics.update({f"{key} bare s": bare, f"{key} update s": total, f"{key} apply s": apply})
     finally:
         server.stop()
-    total, http, broadcasts, apply = min(pushes)
-    print(f"  bare torch.distributed broadcast: {bare:8.3f} s ({size / bare / 2**30:.2f} GiB/s)")
-    print(f"  /update_weights_from_distributed: {total:8.3f} s -> {total / bare:.2f}x the bare broadcast (bar 1.5x)")
-    print(f"    HTTP + checks {http:.3f} s, broadcasts {broadcasts:.3f} s, apply {apply:.3f} s")
-    return {"bare s": bare, "update s": total, "update/bare": total / bare, "apply s": apply, "http s": http}
+    return metrics
 
 
 def _rate(server: _Server, path: str, bodies: List[dict], concurrency: int) -> float:
