@@ -4,6 +4,7 @@ on the random-ish demo model, a multi-turn conversation with a tool result, ``ch
 and ``reasoning_content``, and 400s naming the field."""
 
 import json
+import re
 import signal
 
 import jsonschema
@@ -251,3 +252,37 @@ def test_qwen3_coder_required_calls_parse_and_validate(seed):
     assert content == "" and len(calls) == 1, (text, calls)
     name = calls[0]["function"]["name"]
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), functions[name])
+
+
+def test_reasoning_content_splits_at_the_think_close_whole_and_streamed(server):
+    """A thinking turn (the template opens ``<think>``) whose output a regex holds to ``ddd</think>dd``:
+    ``--reasoning-parser qwen3`` returns the digits before ``</think>`` as ``reasoning_content`` and the
+    rest as ``content``, whole and as stream deltas, while the token ids are all the sampled text's."""
+    client = server.client()
+    extra = {
+        "chat_template_kwargs": {"enable_thinking": True},
+        "guided_regex": "[0-9]{3}</think>[0-9]{2}",
+        "return_token_ids": True,
+    }
+    whole = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=20, temperature=0, extra_body=extra
+    )
+    message = whole.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert re.fullmatch("[0-9]{3}", reasoning) and re.fullmatch("[0-9]{2}", message.content), message
+    from demo_task import DEMO_MODEL_DIR
+    from transformers import AutoTokenizer
+
+    ids = whole.choices[0].model_extra["token_ids"]
+    text = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).decode(ids, skip_special_tokens=True)
+    assert text == f"{reasoning}</think>{message.content}"
+    stream = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=20, temperature=0, stream=True, extra_body=extra
+    )
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            parts["content"] += delta.content or ""
+    assert parts == {"reasoning_content": reasoning, "content": message.content}
