@@ -42,7 +42,10 @@ class InProcessCLI:
         from transformers.utils import logging as hf_logging
 
         for handler in hf_logging.get_logger().handlers:  # bound to the stderr of the run that configured it
-            if isinstance(handler, logging.StreamHandler):
+            # only transformers' own handler (a plain StreamHandler): pytest >= 9.1 also attaches its
+            # log-capture handlers (StreamHandler subclasses over a StringIO it reads back with
+            # getvalue()) to every non-propagating logger, transformers' included
+            if type(handler) is logging.StreamHandler:
                 handler.stream = sys.stderr  # (setStream would flush the closed one)
         try:
             code = main(args)
