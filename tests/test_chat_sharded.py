@@ -30,6 +30,9 @@ def test_sharded_chat_under_torchrun_answers_as_one_process(sharder, cli):
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert out.count("Entering chat (torch, 2 ranks)") == 1, out[-3000:]  # rank 1 prints nothing
+    # nothing of the libraries' lands between the prompt and the answer on a terminal: no per-rank
+    # "Loading weights" bars, no FutureWarning from HyperParallel's collectives (-v shows them)
+    assert "Loading weights" not in result.stderr and "Warning" not in result.stderr, result.stderr[-3000:]
     assert _replies(out) == expected, out[-3000:]
 
 
