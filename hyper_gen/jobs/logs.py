@@ -19,9 +19,8 @@ def quiet_framework_logs() -> None:
     # import that already happened are switched off too): under a launcher each rank draws its own,
     # interleaved with rank 0's chat prompt
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
-
+    hf_logging = sys.modules.get("transformers.utils.logging")  # (imported already, or it reads the variable)
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and hf_logging is not None:
         hf_logging.disable_progress_bar()
     # a library's deprecation notice about another library (HyperParallel calling torch's
     # all_gather_into_tensor, once per rank in the middle of a chat line) is nothing a CLI user can act on
