@@ -6,8 +6,12 @@ DeltaNet linear-attention + gated full-attention layers), shrunk to ~0.67M param
 synthetic digit-reversal task of ``hyper_gen/demo/task.py`` ("rev 12345 =" -> " 54321" <eos>).
 The tokenizer is a character-level HF ``tokenizers`` tokenizer over printable ASCII.
 
-    python examples/train_demo_model.py                      # writes hyper_gen/demo/model/
+    python examples/train_demo_model.py                      # writes ./demo_model/ (about 20 min on 2 cores)
     python examples/train_demo_model.py --out /tmp/demo --steps 300
+    python examples/train_demo_model.py --out hyper_gen/demo/model --force   # replace the bundled model
+
+``--out`` must be a new or empty folder unless ``--force``: the bundled model is what the tests and
+the README's outputs are pinned to, so it is never overwritten by accident.
 
 At the end it reloads the saved folder with ``AutoModelForCausalLM`` / ``AutoTokenizer`` and prints
 held-out greedy accuracy with HF ``generate()``: one prompt at a time, and in left-padded batches.
@@ -253,9 +257,11 @@ def evaluate_chat(model, tokenizer, pairs):
 # --------------------------------------------------------------------------- main
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line; ``--out`` checked before any work (exit 2: a folder with files, no --force)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.path.join(REPO, "hyper_gen", "demo", "model"))
+    parser.add_argument("--out", default="demo_model", help="a new or empty folder (default: ./demo_model)")
+    parser.add_argument("--force", action="store_true", help="write into --out even if it holds files")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -265,6 +271,15 @@ def main(argv=None):
     parser.add_argument("--eval-n", type=int, default=300, help="held-out prompts for the final accuracy")
     parser.add_argument("--eval-seed", type=int, default=1234)
     args = parser.parse_args(argv)
+    if os.path.isdir(args.out) and os.listdir(args.out) and not args.force:
+        parser.error(f"--out {args.out} already holds files; pick a new folder, or add --force to replace them")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file, not a folder")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

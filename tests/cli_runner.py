@@ -7,7 +7,8 @@ Those that do (the console script, a signal, MindSpore's import-time log level) 
 Output is captured at the file-descriptor level (pytest's ``capfd``), so a C++ log line or a warning
 written by a logging handler bound to the real stderr is seen, as it would be from a subprocess. The
 state a run can leave behind in this process is put back after it: the environment (``main`` sets log
-levels with ``os.environ.setdefault``), torch's intra-op thread count, and ``sys.stdin``.
+levels with ``os.environ.setdefault``), transformers' progress bars, torch's intra-op thread count, and
+``sys.stdin``.
 """
 
 import io
@@ -41,8 +42,12 @@ class InProcessCLI:
         torch.set_num_threads(1)
         from transformers.utils import logging as hf_logging
 
+        bars = hf_logging.is_progress_bar_enabled()  # a quiet run switches them off (jobs/logs.py)
         for handler in hf_logging.get_logger().handlers:  # bound to the stderr of the run that configured it
-            if isinstance(handler, logging.StreamHandler):
+            # only transformers' own handler (a plain StreamHandler): pytest >= 9.1 also attaches its
+            # log-capture handlers (StreamHandler subclasses over a StringIO it reads back with
+            # getvalue()) to every non-propagating logger, transformers' included
+            if type(handler) is logging.StreamHandler:
                 handler.stream = sys.stderr  # (setStream would flush the closed one)
         try:
             code = main(args)
@@ -52,6 +57,8 @@ class InProcessCLI:
                 print(exc.code, file=sys.stderr)
         finally:
             sys.stdin = saved_stdin
+            if bars and not hf_logging.is_progress_bar_enabled():
+                hf_logging.enable_progress_bar()
             torch.set_num_threads(threads)
             os.environ.clear()
             os.environ.update(saved_env)

@@ -88,6 +88,11 @@ def test_a_sampling_flag_implies_sampling(cli):
         (["serve", "--max-num-batched-tokens", "-4"], ["--max-num-batched-tokens must be >= 1, got -4"]),
         (["serve", "--cache-memory-bytes", "100"], ["cache_memory_bytes=100 cannot hold one KV cache block"]),
         (["bench", "engine", "--scenarios", "prefix,nope"], ["--scenarios: 'nope' is not one of prefix"]),
+        # a multi-rank bench without its launcher: fixable, so exit 2 and one line, not exit 1
+        (["bench", "tp"], ["hyper-gen bench: error: tp runs on 2 ranks", "torchrun --nproc_per_node 2", "msrun"]),
+        (["bench", "cp"], ["hyper-gen bench: error: cp runs on 2 ranks"]),
+        (["bench", "rollout"], ["hyper-gen bench: error: rollout runs on 2 ranks"]),
+        (["bench", "text", "--tokenizer", "/nonexistent/dir"], ["hyper-gen bench: error: ", "/nonexistent/dir"]),
     ],
 )
 def test_bad_flags_are_one_line_errors(args, needles, cli):

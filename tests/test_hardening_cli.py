@@ -78,7 +78,7 @@ def test_a_hub_id_gets_the_download_hint_from_the_shared_wording(cli):
     from hyper_gen.models.checkpoint import folder_problem
 
     result = cli(["generate", "--prompt", "x", "--model", "Qwen/Qwen3.5-0.8B"])
-    line = one_line_error(result, "huggingface-cli download")
+    line = one_line_error(result, "hf download")
     assert line == "hyper-gen: error: " + folder_problem("Qwen/Qwen3.5-0.8B", "pass --model DIR")
 
 
@@ -96,14 +96,28 @@ def test_bench_help_lists_every_command_with_its_line(cli):
     for name in COMMANDS:
         assert summaries[name], name
         assert re.search(rf"^\s+{name}\s+{re.escape(summaries[name])}$", result.stdout, re.M), (name, result.stdout)
-    run_line = re.search(r"Run: ``hyper-gen bench \[([a-z|]+)\]", result.stdout)
+    run_line = re.search(r"Run: hyper-gen bench \[([a-z|]+)\]", result.stdout)
     assert run_line and run_line.group(1).split("|") == list(COMMANDS), result.stdout
+    assert "``" not in result.stdout  # the docstring's reST literals are shown plain
+
+
+def test_offline_bench_help_shows_no_rest_markup():
+    result = subprocess.run(
+        [sys.executable, "-m", "hyper_gen.bench.offline", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=REPO,
+    )
+    assert result.returncode == 0 and "JSONL" in result.stdout and "``" not in result.stdout, result
 
 
 @pytest.mark.parametrize("name", COMMANDS)
 def test_every_bench_flag_is_explained_with_its_default(name, cli):
     result = cli(["bench", name, "--help"])
     assert result.returncode == 0, result.stderr
+    assert "``" not in result.stdout
     text = _normalized(result.stdout)
     parser = next(a for a in build_parser()._actions if a.dest == "which").choices[name]
     flags = [a for a in parser._actions if a.dest != "help"]

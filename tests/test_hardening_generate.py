@@ -121,7 +121,7 @@ def test_load_model_of_a_hub_id_says_how_to_download_it(backend):
         load_model("Qwen/Qwen3.5-0.8B", backend=backend)
     message = str(raised.value)
     assert "is not a local folder" in message, message
-    assert "huggingface-cli download Qwen/Qwen3.5-0.8B --local-dir DIR" in message and "load_model(DIR" in message
+    assert "hf download Qwen/Qwen3.5-0.8B --local-dir DIR" in message and "load_model(DIR" in message
 
 
 def test_load_model_and_the_cli_share_one_wording(tmp_path):

@@ -1,8 +1,9 @@
 """Every Python snippet in README.md runs as written, and prints what its comments say.
 
 A snippet whose first line names a launcher (``# torchrun --nproc_per_node 2 ...``) runs under
-torchrun with that many ranks. ``print(...)  # <expected>`` comments are checked against the
-output, so the README's claims are tested, not only its syntax.
+torchrun with that many ranks, and also under msrun where that line names it too (the program picks
+its framework from the launcher), its output read from msrun's worker logs. ``print(...)  # <expected>``
+comments are checked against the output, so the README's claims are tested, not only its syntax.
 """
 
 import os
@@ -11,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO, _env, torchrun
+from launch import REPO, _env, msrun, torchrun
 
 README = os.path.join(REPO, "README.md")
 
@@ -111,3 +112,16 @@ def test_launcher_snippet_runs_under_torchrun(index, tmp_path):
     assert result.returncode == 0, code + "\n----\n" + result.stdout[-3000:] + result.stderr[-3000:]
     for expected in _expected_prints(code):
         assert result.stdout.count(expected) == ranks, (expected, result.stdout[-2000:])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("index", [i for i, b in enumerate(BLOCKS) if "msrun --worker_num" in b.splitlines()[0]])
+def test_launcher_snippet_runs_under_msrun(index, tmp_path):
+    code = BLOCKS[index]
+    ranks = int(re.search(r"msrun --worker_num=(\d+)", code.splitlines()[0]).group(1))
+    script = tmp_path / f"snippet_{index}.py"
+    script.write_text(code)
+    result = msrun([str(script)], log_dir=str(tmp_path / "logs"), nproc=ranks, timeout=300)
+    assert result.returncode == 0, code + "\n----\n" + result.worker_logs[-4000:]
+    for expected in _expected_prints(code):
+        assert result.worker_logs.count(expected) == ranks, (expected, result.worker_logs[-2000:])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import sys
 
+from hyper_gen.jobs.errors import UsageError
 from hyper_gen.jobs.logs import quiet_framework_logs
 
 from .arguments import (
@@ -141,7 +142,18 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    """Run one bench; 2 (after one line on stderr) for a problem the user can fix, as in the rest of
+    the CLI: a bench that needs a launcher started without one, a bad --tokenizer, a --context too long."""
+    try:
+        _run(argv)
+    except UsageError as exc:
+        print(f"hyper-gen bench: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run(argv=None) -> None:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -206,4 +218,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from hyper_gen import kernel_plan
 
+_LITERAL = re.compile(r"``(.+?)``", re.S)  # a reST inline literal in a docstring
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hyper_gen_bench")  # random-weight checkpoints
 
 
@@ -62,8 +64,12 @@ def positive_list(text: str) -> tuple:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Descriptions as written (the module docstrings), every flag's help followed by its default,
-    unless the help already says what the default means."""
+    """Descriptions as written (the module docstrings, their reST ````literals```` shown plain on a
+    terminal), every flag's help followed by its default, unless the help already says what the
+    default means."""
+
+    def _fill_text(self, text, width, indent):
+        return super()._fill_text(_LITERAL.sub(r"\1", text), width, indent)
 
     def _get_help_string(self, action):
         text = action.help or ""

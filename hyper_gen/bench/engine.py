@@ -53,6 +53,7 @@ import numpy as np
 
 from hyper_gen.generation import generate
 from hyper_gen.host import describe_host
+from hyper_gen.jobs.errors import UsageError
 from hyper_gen.kv_cache.manager import DEFAULT_STATE_SNAPSHOT_BLOCKS
 from hyper_gen.models.loading import load_model
 
@@ -488,8 +489,8 @@ def long(model, args, vocab, rng):
     max_tokens = new + prefill_steps + 8
     limit = ModelLimits.of(model).context
     if limit is not None and context + max_tokens > limit:
-        raise SystemExit(
-            f"hyper-gen bench engine: long needs {context + max_tokens} positions ({context} prompt + {max_tokens}), "
+        raise UsageError(
+            f"engine: long needs {context + max_tokens} positions ({context} prompt + {max_tokens}), "
             f"the {args.shape} checkpoint has {limit} (max_position_embeddings): lower --context"
         )
     prompts = [rng.integers(10, vocab, context).tolist() for _ in range(rows)]

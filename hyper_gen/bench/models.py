@@ -22,6 +22,7 @@ from hyper_gen import registry
 from hyper_gen.config import GenerationConfig
 from hyper_gen.generation import generate
 from hyper_gen.host import describe_host
+from hyper_gen.jobs.errors import UsageError
 from hyper_gen.models.loading import load_model
 from hyper_gen.parallel.launcher import host_ops, init_distributed
 
@@ -97,7 +98,11 @@ def join_with_checkpoint(args, bench: str):
     cores), and the random checkpoint of ``args.shape``, written once by rank 0 and read by all.
     Returns (host ops, rank, world size, what the thread limit did, checkpoint path)."""
     if not init_distributed(args.backend):
-        raise SystemExit(f"hyper-gen bench {bench}: launch it with torchrun --nproc_per_node 2 or msrun --worker_num=2")
+        raise UsageError(
+            f"{bench} runs on 2 ranks: launch it with torchrun --nproc_per_node 2 -m hyper_gen bench {bench} "
+            f"(or msrun --worker_num=2 --local_worker_num=2 --join=True hyper_gen/__main__.py bench {bench} "
+            "--backend mindspore)"
+        )
     ops = host_ops(args.backend)
     rank, world = ops.rank(), ops.world_size()
     threads = registry.adapter(args.backend).limit_threads(1)

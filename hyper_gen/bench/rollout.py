@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from hyper_gen.jobs.errors import UsageError
+
 _COLLECTIVES = (
     "all_gather_single",
     "all_gather_into_tensor",
@@ -145,7 +147,9 @@ def run_rollout(args):
     from hyper_gen.parallel.launcher import init_distributed, shutdown_distributed
 
     if not init_distributed("torch", timeout_s=args.timeout):
-        raise SystemExit("hyper-gen bench rollout: launch it with torchrun --nproc_per_node 2")
+        raise UsageError(
+            "rollout runs on 2 ranks: launch it with torchrun --nproc_per_node 2 -m hyper_gen bench rollout"
+        )
     torch.set_num_threads(args.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _build(args)

@@ -69,13 +69,9 @@ def text_processing(tokenizer, lengths=(256, 16384), stops=STOPS, repeats: int =
 
 def run_text(args):
     from hyper_gen.demo import demo_model_path
-    from hyper_gen.jobs.errors import UsageError
     from hyper_gen.jobs.tokenizer import load_tokenizer
 
-    try:
-        tokenizer = load_tokenizer(args.tokenizer or demo_model_path())
-    except UsageError as exc:
-        raise SystemExit(f"hyper-gen bench text: error: {exc}") from None
+    tokenizer = load_tokenizer(args.tokenizer or demo_model_path())  # a bad folder: UsageError, one line, exit 2
     text_processing(tokenizer, args.lengths, repeats=args.repeats)
 
 

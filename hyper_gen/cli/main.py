@@ -70,8 +70,7 @@ def stop_cleanly_on_sigterm() -> bool:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        bench_main(argv[1:])
-        return 0
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if not args.verbose:
         quiet_framework_logs()

@@ -130,7 +130,7 @@ def folder_problem(path: str, then: str = "load it from DIR") -> Optional[str]:
     if not os.path.exists(path) and _HUB_ID.fullmatch(path):
         return (
             f"model path {path!r} is not a local folder: hyper_gen reads weights from a local checkpoint folder; "
-            f"download it first (e.g. huggingface-cli download {path} --local-dir DIR) and {then}"
+            f"download it first (e.g. hf download {path} --local-dir DIR) and {then}"
         )
     if not os.path.exists(path):
         return f"model path {path!r} does not exist (expected an HF checkpoint folder)"

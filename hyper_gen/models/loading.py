@@ -17,6 +17,7 @@ from hyper_gen.models import FAMILIES
 from hyper_gen.models.checkpoint import Checkpoint, generation_defaults
 from hyper_gen.models.weight_update import WeightSource
 from hyper_gen.parallel.cp_plan import CPPlan, Mesh, check_strategy, check_ulysses_heads
+from hyper_gen.parallel.launcher import launched_by, launcher_backend
 from hyper_gen.parallel.tp_plan import TPPlan
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -108,6 +109,19 @@ def load_model(
     return model
 
 
+def _check_launcher_backend(adapter, ranks: int) -> None:
+    """A ValueError naming the launcher when this process was started by the other framework's (a
+    torch model under msrun, a MindSpore one under torchrun): it cannot join that job, and "a single
+    process with no process group" would send the user looking in the wrong place."""
+    launcher, backend = launched_by(), launcher_backend(default=None)
+    if backend is not None and backend != adapter.NAME:
+        raise ValueError(
+            f"backend={adapter.NAME!r} cannot join this job: it was started by {launcher}, which launches "
+            f"{backend} jobs; use backend={backend!r} (hyper_gen.parallel.launcher.launcher_backend() gives the "
+            f"launcher's), or launch it with {adapter.launcher(ranks)}"
+        )
+
+
 def _join_tp_job(adapter, tp: int, family, config) -> TPPlan:
     """This rank's ``TPPlan`` in the launcher's job of ``tp`` ranks, the config checked against it.
 
@@ -115,6 +129,7 @@ def _join_tp_job(adapter, tp: int, family, config) -> TPPlan:
     fails (on every rank alike) before the process group is touched."""
     family.check_tp(TPPlan(tp, 0), config)
     if not adapter.init_distributed():
+        _check_launcher_backend(adapter, tp)
         raise ValueError(
             f"tp={tp} needs {tp} processes launched together ({adapter.launcher(tp)} ...), but this is a single "
             "process with no process group; use tp=1 here"
@@ -148,6 +163,7 @@ def _join_mesh_job(adapter, tp: int, cp: int, family, config, strategy: str = "a
     mesh = Mesh(tp, cp)
     family.check_tp(TPPlan(tp, 0), config)
     if not adapter.init_distributed():
+        _check_launcher_backend(adapter, mesh.size)
         raise ValueError(
             f"cp={cp} needs {mesh.size} processes launched together ({adapter.launcher(mesh.size)} ...), but this "
             f"is a single process with no process group; use cp=1{' and tp=1' if tp > 1 else ''} here"

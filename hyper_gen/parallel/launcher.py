@@ -44,6 +44,26 @@ def launched_multi_rank() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("MS_WORKER_NUM", "1")) > 1
 
 
+# the launchers this package joins, by the variable each sets in its workers, and the framework of each
+LAUNCHERS = {"msrun": ("MS_ROLE", "mindspore"), "torchrun": ("TORCHELASTIC_RUN_ID", "torch")}
+
+
+def launched_by() -> Optional[str]:
+    """ "msrun" or "torchrun" in a process one of them started, else None."""
+    for launcher, (variable, _) in LAUNCHERS.items():
+        if os.environ.get(variable):
+            return launcher
+    return None
+
+
+def launcher_backend(default: Optional[str] = "torch") -> Optional[str]:
+    """The backend of the launcher that started this process: "mindspore" under msrun, "torch" under
+    torchrun, else ``default``. One program then runs under either launcher, as the README's tensor-
+    and context-parallel examples do: ``load_model(path, backend=launcher_backend(), tp=2)``."""
+    launcher = launched_by()
+    return default if launcher is None else LAUNCHERS[launcher][1]
+
+
 def collective_timeout_s(timeout_s=None) -> Optional[float]:
     """The collective timeout asked for, in seconds: ``timeout_s``, else ``$HYPER_GEN_TIMEOUT_S``,
     else None (the backend's default). Anything but a positive finite number is a ValueError."""

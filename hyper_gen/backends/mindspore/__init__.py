@@ -10,6 +10,8 @@ The adapter interface every backend provides is described in ``hyper_gen.registr
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from typing import Optional
 
 import mindspore as ms
@@ -30,11 +32,34 @@ CP_STRATEGIES_WHY = (
 _CONFIGURED = False
 
 
+@contextlib.contextmanager
+def _quiet_device_probe():
+    """Asked whether Ascend is there, MindSpore logs "Backend Ascend is not available" and its
+    plugin's load error as warnings: on a machine without Ascend that is the expected answer, not
+    news, and it would land on every library user's stderr at ``import``. Only warnings during the
+    probe are dropped (a filter on MindSpore's Python logger, ``ME.mindspore.log.<pid>``, which it
+    creates by that name on first use), and only when the user has not set ``GLOG_v``."""
+    if "GLOG_v" in os.environ:
+        yield
+        return
+    logger = logging.getLogger(f"ME.mindspore.log.{os.getpid()}")
+
+    def errors_only(record):
+        return record.levelno >= logging.ERROR
+
+    logger.addFilter(errors_only)
+    try:
+        yield
+    finally:
+        logger.removeFilter(errors_only)
+
+
 def default_device() -> str:
     """ "Ascend" when an Ascend device is usable, else "CPU"."""
     try:
-        if ms.hal.is_available("Ascend") and ms.hal.device_count("Ascend") > 0:
-            return "Ascend"
+        with _quiet_device_probe():
+            if ms.hal.is_available("Ascend") and ms.hal.device_count("Ascend") > 0:
+                return "Ascend"
     except (AttributeError, RuntimeError, ValueError):
         pass
     return "CPU"
