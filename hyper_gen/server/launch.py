@@ -181,17 +181,26 @@ def follow(engine) -> None:
 
 class BackgroundServer:
     """The server on a thread of this process, for a program that keeps its model (an RLHF job
-    serving the policy it trains, a notebook, a test): ``url`` once it listens; ``stop()`` (or
+    serving the policy it trains, a notebook, a test): ``url`` once it listens (``app_options``: what
+    else ``create_app`` takes, e.g. ``reasoning_parser``, ``model_path``); ``stop()`` (or
     leaving the ``with`` block) stops it, giving open responses ``grace_s`` seconds to finish before
     they end with a 503 / a last error event. The engine stays the caller's to start and shut down."""
 
     def __init__(
-        self, engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 0, timeout_s=60.0, grace_s=2.0
+        self,
+        engine,
+        tokenizer,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s=60.0,
+        grace_s=2.0,
+        **app_options,
     ):
         self._sock = bind(host, port)
         address = self._sock.getsockname()
         self.url = f"http://{f'[{address[0]}]' if ':' in address[0] else address[0]}:{address[1]}"
-        app = self._app = create_app(engine, tokenizer, model_name)
+        app = self._app = create_app(engine, tokenizer, model_name, **app_options)
         self._server = _Server(_config(app, "warning"), state=app.state.hyper_gen, grace_s=grace_s)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="hyper_gen-server", daemon=True

@@ -46,7 +46,7 @@ class ServerState:
         return {key: stats[key] for key in ("running", "waiting") if key in stats}
 
     def health(self) -> str:
-        """"ok" while the server takes requests, else why not: "engine stopped", "draining" (stopping
+        """ "ok" while the server takes requests, else why not: "engine stopped", "draining" (stopping
         after a signal), "asleep" (KV cache freed), "paused" (``/pause_generation``): a router
         sends its requests elsewhere on the 503 that goes with it."""
         if not getattr(self.engine, "alive", True):
