@@ -314,3 +314,22 @@ def test_an_http2_probe_is_answered_without_a_warning(served, caplog):
             assert reply == bytes.fromhex("000000040000000000" + "0000080700000000000000000000000d")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert completion(server)["text"] == " 54321"  # HTTP/1.1 as before
+
+
+def test_a_kept_alive_connection_answers_without_the_delayed_ack_stall(served):
+    """A router keeps its connections to a worker open: each answer must not wait 40 ms for the
+    client's delayed ACK (Nagle's algorithm holding the body back behind the headers)."""
+    import statistics
+    import time
+
+    _, server, _ = served
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    took = []
+    for _ in range(20):
+        began = time.perf_counter()
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().read()
+        took.append(time.perf_counter() - began)
+    conn.close()
+    assert statistics.median(took) < 0.025, took  # 40 ms or more each with the stall

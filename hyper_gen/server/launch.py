@@ -47,7 +47,17 @@ H2_HTTP_1_1_REQUIRED = bytes.fromhex("000000040000000000") + bytes.fromhex("0000
 
 class _H11(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, its own error replies in OpenAI's schema instead of text/plain,
-    and an HTTP/2 (gRPC) probe answered with HTTP/2's "use HTTP/1.1" (not a warning per probe)."""
+    an HTTP/2 (gRPC) probe answered with HTTP/2's "use HTTP/1.1" (not a warning per probe), and
+    TCP_NODELAY on every connection."""
+
+    def connection_made(self, transport) -> None:
+        """TCP_NODELAY on every connection: asyncio sets it only on sockets made with proto IPPROTO_TCP,
+        and without it a response written as headers then body waits out the client's delayed ACK
+        (40 ms) on a kept-alive connection, as a router's pooled connections to its workers are."""
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         fresh = self.cycle is None and self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]
