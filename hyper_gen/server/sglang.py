@@ -14,6 +14,11 @@ takes), ``finish_reason`` (``{"type": "stop", "matched": id or string}``, ``{"ty
 ``weight_version`` (the engine's when the answer was made; ``"default"`` before any update, as
 SGLang's), ``e2e_latency``, and ``routed_experts`` ([token][moe layer][k] expert ids) when asked.
 
+``sampling_params.no_stop_trim: true`` keeps the matched stop string (or stop token's text) in
+``text``, ``skip_special_tokens: false`` decodes special tokens (``texts.py``); a top-level ``model``
+other than the served one is a 404, and the routers' other fields are taken at their neutral
+values only (``dialects.py``).
+
 An aborted request (``/abort_request``, ``/pause_generation`` in abort mode) answers what it had
 generated so far with ``finish_reason`` abort: resubmitting ``input_ids + output_ids`` continues
 it (partial rollout), from the prefix cache while the weights are unchanged.
