@@ -18,7 +18,21 @@ from hyper_gen.bench import build_parser
 from hyper_gen.config import MAX_NEW_TOKENS, MAX_ROWS
 
 CLI = [sys.executable, "-m", "hyper_gen"]
-COMMANDS = ("loop", "hf", "models", "tp", "cp", "rollout", "serve", "offline", "update", "logprobs", "engine", "text")
+COMMANDS = (
+    "loop",
+    "hf",
+    "models",
+    "tp",
+    "cp",
+    "rollout",
+    "serve",
+    "router",
+    "offline",
+    "update",
+    "logprobs",
+    "engine",
+    "text",
+)
 
 
 def one_line_error(result, *needles):

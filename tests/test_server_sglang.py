@@ -304,7 +304,8 @@ def test_flush_cache_and_memory_occupation(served, tokenizer):
     thread = threading.Thread(target=lambda: done.update(out=http.post("/generate", busy)))
     thread.start()
     for _ in range(200):  # queued behind the pause
-        load = ok(http.get("/health"))
+        status, load = http.get("/health")
+        assert status == 503 and load["status"] == "paused", load  # a router sends requests elsewhere meanwhile
         if load["waiting"] + load["running"]:
             break
         time.sleep(0.05)

@@ -111,7 +111,8 @@ def test_sleep_then_wake_up_gives_the_same_greedy_tokens(awake):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "rev 1 ="}], max_tokens=4)
     assert info.value.status_code == 503 and info.value.body["code"] == "engine_sleeping"
     assert call(server, "POST", "/sleep") == (200, {"is_sleeping": True})  # asleep already: a no-op
-    assert call(server, "GET", "/health")[0] == 200
+    status, body = call(server, "GET", "/health")  # asleep: a router sends requests elsewhere
+    assert status == 503 and body["status"] == "asleep", body
 
     assert call(server, "POST", "/wake_up") == (200, {"is_sleeping": False})
     assert not engine.is_sleeping

@@ -13,6 +13,9 @@
   generate ``synced_gpus=True``: useful tokens/s and the time share in collectives.
 - ``serve``: the HTTP server under 1 / 8 / 32 concurrent streaming clients (tokens/s, time to
   first token p50 / p99) vs the same requests as sequential ``generate`` calls and one batch.
+- ``router``: N ``serve`` workers behind sglang-router, ``cache_aware`` vs ``round_robin`` on GRPO
+  groups (prompts x samples): prefix-cache hit rate summed over the workers, tokens/s; with one
+  worker, the router's overhead per request against a direct call.
 - ``offline``: a JSONL job with in-flight batching vs fixed micro-batches, on mixed output lengths.
 - ``update``: ``update_weights`` with every tensor of a checkpoint vs ``load_model`` of it.
 - ``logprobs``: float32 rollout logprobs vs ``score()`` of the same tokens, against a float64 reference.
@@ -27,8 +30,8 @@
 - ``text``: the engine's output processing (incremental detokenization, stop strings) per generated
   token at 256 and 16,384 tokens: a cost that grows with the output would show as a ratio above 1.
 
-Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|offline|update|logprobs|engine|rl|text] ...``
-(``loop`` when none is named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command>
+Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|router|offline|update|logprobs|engine|rl|text]
+...`` (``loop`` when none is named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command>
 --help`` explains every flag with its default. MindSpore's and transformers' own logs are errors
 only (``GLOG_v=3``, unless set), as in the rest of the CLI; ``-v`` shows them.
 """
@@ -128,11 +131,13 @@ def build_parser() -> OneLineParser:
     from .logprobs import add_parser as add_logprobs_parser
     from .offline import add_parser as add_offline_parser
     from .rl_server import add_parser as add_rl_parser
+    from .router import add_parser as add_router_parser
     from .serve import add_parser as add_serve_parser
     from .text import add_parser as add_text_parser
     from .update import add_parser as add_update_parser
 
     add_serve_parser(sub)
+    add_router_parser(sub)
     add_offline_parser(sub)
     add_update_parser(sub)
     add_logprobs_parser(sub)
@@ -179,6 +184,10 @@ def _run(argv=None) -> None:
         from .serve import run_serve_bench
 
         run_serve_bench(args)
+    elif args.which == "router":
+        from .router import run_router_bench
+
+        run_router_bench(args)
     elif args.which == "logprobs":
         from .logprobs import run_logprobs
 

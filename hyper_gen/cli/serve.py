@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 
 from hyper_gen.engine import Engine, EngineConfig
 from hyper_gen.jobs.errors import UsageError
 from hyper_gen.parallel.launcher import launched_multi_rank
 
-from .common import add_model_flags, load_everything, rank
+from .common import add_model_flags, load_everything, model_path, rank
 
 DEMO_NAME = "hyper_gen-demo"
 
@@ -165,6 +166,9 @@ def run_serve(args) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             access_log=not args.quiet,
+            model_path=os.path.abspath(model_path(args)),
+            tp_size=args.tp,
+            backend=args.backend,
         )
         print("hyper-gen serve: stopped", file=sys.stderr, flush=True)
         return 0

@@ -2,7 +2,10 @@
 
 ``create_app(engine, tokenizer, model_name)`` only routes; the engine is started and shut down
 by whoever owns it (``hyper_gen.server.launch``, a test). Endpoints: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``;
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (503 unless
+requests are taken: asleep, paused, draining); vLLM's ``POST /v1/completions/render`` and
+``/v1/chat/completions/render`` (``render.py``); SGLang's ``GET /server_info`` and ``/model_info``
+(``info.py``, for the routers);
 ``GET /metrics`` (Prometheus, ``metrics.py``); vLLM's ``POST /sleep`` (``?abort=true``),
 ``POST /wake_up`` and ``GET /is_sleeping`` (the engine frees its KV cache and takes it back);
 vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (``tokenization.py``).
@@ -24,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hyper_gen import __version__
 
-from . import control, errors, tokenization, weight_sync
+from . import control, errors, info, render, tokenization, weight_sync
 from .access_log import AccessLog
 from .body import read_json
 from .chat import create_chat_completion
@@ -55,10 +58,14 @@ def create_app(
     tool_call_parser: Optional[str] = "hermes",
     reasoning_parser: Optional[str] = None,
     access_log: bool = False,
+    model_path: Optional[str] = None,
+    tp_size: int = 1,
+    backend: Optional[str] = None,
 ) -> FastAPI:
     """``access_log``: a line on stderr per request (``access_log.py``; ``hyper-gen serve`` without ``-q``)."""
     state = ServerState(engine, tokenizer, model_name, max_model_len)
     state.tool_call_parser, state.reasoning_parser = tool_call_parser, reasoning_parser
+    state.model_path, state.tp_size, state.backend = model_path, tp_size, backend
     app = FastAPI(title="hyper_gen", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hyper_gen = state
     errors.install(app)
@@ -71,10 +78,23 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        """{"status": "ok", "running": requests admitted, "waiting": queued}; 503 once the engine stopped."""
-        if not getattr(engine, "alive", True):
-            return JSONResponse({"status": "engine stopped", **state.load()}, status_code=503)
+        """{"status": "ok", "running": requests admitted, "waiting": queued} while requests are taken;
+        503 with why not ("asleep", "paused", "draining", "engine stopped"), for a router to act on."""
+        status = state.health()
+        if status != "ok":
+            return JSONResponse({"status": status, **state.load()}, status_code=503)
         return {"status": "ok", **state.load()}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info():
+        """SGLang's: the model's path, the engine's limits and weight version (``info.py``)."""
+        return info.server_info(state)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return info.model_info(state)
 
     @app.get("/metrics")
     async def metrics():
@@ -130,6 +150,15 @@ def create_app(
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return tokenization.tokenizer_info(state)
+
+    @app.post("/v1/completions/render")
+    async def completions_render(http_request: Request):
+        """vLLM's: the prompts' token ids and sampling params, nothing generated (``render.py``)."""
+        return render.completions(state, await read_json(http_request, CompletionRequest, "prompt"))
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(http_request: Request):
+        return render.chat(state, await read_json(http_request, ChatCompletionRequest, "messages"))
 
     _native_routes(app, state)
     return app

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from . import structured
+from . import structured, texts
 from .errors import APIError, bad_value, shutting_down
 from .params import check_sizes, sampling_params
 from .prompts import chat_prompt, chat_text
@@ -49,13 +49,21 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     params = sampling_params(request, max_tokens, structured_outputs=outputs)
     requests = state.submit([ids], params, "messages")
     head = dict(id=new_id("chatcmpl"), created=int(time.time()), model=state.model_name)
-    if request.stream:
-        return EventStream(_events(state, request, requests, head, ids, parsers), requests)
+    make = texts.texter(state, params, request.skip_special_tokens, request.no_stop_trim)
+    own = {}
 
-    texts, reasons, logprobs, aligners, generated = {}, {}, {}, {}, 0
+    def text_of(chunk) -> str:  # the engine's text, or decoded here (texts.py)
+        if make is None:
+            return chunk.text or ""
+        return own.setdefault(chunk.index, make()).add(chunk.token_ids, chunk.finished, chunk.finish_reason)
+
+    if request.stream:
+        return EventStream(_events(state, request, requests, head, ids, parsers, text_of), requests)
+
+    answers, reasons, logprobs, aligners, generated = {}, {}, {}, {}, 0
     token_ids = {i: [] for i in range(request.n)}
     async for _, chunk in collected_chunks(http_request, requests):
-        texts[chunk.index] = texts.get(chunk.index, "") + (chunk.text or "")
+        answers[chunk.index] = answers.get(chunk.index, "") + text_of(chunk)
         token_ids[chunk.index] += [int(t) for t in chunk.token_ids]
         generated += len(chunk.token_ids)
         if request.logprobs:
@@ -65,10 +73,10 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
             reasons[chunk.index] = chunk.finish_reason
     messages, calls = {}, {}
     for i in range(request.n):
-        reasoning, content, calls[i] = AgentOutput(*parsers).feed(texts.get(i, ""), final=True)
+        reasoning, content, calls[i] = AgentOutput(*parsers).feed(answers.get(i, ""), final=True)
         messages[i] = AssistantMessage(
             content=content if content or not calls[i] else None,
-            reasoning_content=reasoning or None,
+            reasoning_content=reasoning if reasoning and request.include_reasoning else None,
             tool_calls=calls[i] or None,
         )
     choices = [
@@ -111,7 +119,8 @@ def _constraints(state, request, text: str):
     if spec and outputs is None:
         outputs = structured.build(state, *spec)
     tool_parser = state.tool_call_parser if functions and request.tool_choice != "none" else None
-    return outputs, (state.reasoning_parser, tool_parser, text)
+    reasoning_parser = state.reasoning_parser if request.separate_reasoning else None  # SGLang's: else all content
+    return outputs, (reasoning_parser, tool_parser, text)
 
 
 def _tool_deltas(index: int, call: dict) -> list:
@@ -123,12 +132,12 @@ def _tool_deltas(index: int, call: dict) -> list:
     ]
 
 
-async def _events(state, request, requests, head, prompt_ids, parsers):
+async def _events(state, request, requests, head, prompt_ids, parsers, text_of):
     prompt_tokens = len(prompt_ids)
     want_ids = request.return_token_ids
     options = request.stream_options
     usage_each = bool(options and options.continuous_usage_stats)
-    aligners, agents, generated = {}, {}, 0
+    aligners, agents, generated, held = {}, {}, 0, {}
     try:
         for i in range(request.n):
             first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -144,7 +153,13 @@ async def _events(state, request, requests, head, prompt_ids, parsers):
                 entries = aligners.setdefault(chunk.index, state.tokens.choice()).add(chunk)
                 logprobs = state.tokens.chat(entries) if entries else None
             agent = agents.setdefault(chunk.index, AgentOutput(*parsers))
-            reasoning, content, calls = agent.feed(chunk.text or "", final=chunk.finished)
+            reasoning, content, calls = agent.feed(text_of(chunk), final=chunk.finished)
+            if not request.include_reasoning:
+                reasoning = ""
+            elif not request.stream_reasoning:  # SGLang's: the reasoning in one delta, once it ends
+                held[chunk.index] = held.get(chunk.index, "") + reasoning
+                ended = chunk.finished or content or calls or not (agent.reasoning and agent.reasoning.inside)
+                reasoning = held.pop(chunk.index) if ended else ""
             if not (reasoning or content or calls or chunk.finished or logprobs or (want_ids and chunk.token_ids)):
                 continue
             made = agent.tools.calls if agent.tools else []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from . import echo, structured
+from . import echo, structured, texts
 from .errors import APIError, shutting_down
 from .logprobs import merge_completion
 from .params import check_sizes, sampling_params
@@ -42,14 +42,15 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
     head = dict(id=new_id("cmpl"), created=int(time.time()), model=state.model_name)
     prompt_tokens = sum(len(p) for p in prompts)
     want_logprobs = request.logprobs is not None
+    text_of = _texts(state, request, params)
     if request.stream:
-        return EventStream(_events(state, request, requests, head, prompts, want_logprobs), requests)
+        return EventStream(_events(state, request, requests, head, prompts, want_logprobs, text_of), requests)
 
     choices, aligners, generated = {}, {}, 0
     async for i, chunk in collected_chunks(http_request, requests):
         index = i * request.n + chunk.index
         choice = choices.setdefault(index, CompletionChoice(index=index, text=""))
-        choice.text += chunk.text or ""
+        choice.text += text_of(index, chunk)
         if request.return_token_ids:
             if choice.token_ids is None:
                 choice.prompt_token_ids, choice.token_ids = list(prompts[i]), []
@@ -81,7 +82,17 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
     return CompletionResponse(**head, choices=ordered, usage=_usage(prompt_tokens, generated))
 
 
-async def _events(state, request, requests, head, prompts, want_logprobs):
+def _texts(state, request, params):
+    """``(choice index, chunk) -> its new text``: the engine's, or decoded here for SGLang's
+    ``skip_special_tokens`` false / ``no_stop_trim`` true (``texts``)."""
+    make = texts.texter(state, params, request.skip_special_tokens, request.no_stop_trim)
+    if make is None:
+        return lambda index, chunk: chunk.text or ""
+    each = {}
+    return lambda index, chunk: each.setdefault(index, make()).add(chunk.token_ids, chunk.finished, chunk.finish_reason)
+
+
+async def _events(state, request, requests, head, prompts, want_logprobs, text_of):
     options = request.stream_options
     usage_each = bool(options and options.continuous_usage_stats)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -91,17 +102,18 @@ async def _events(state, request, requests, head, prompts, want_logprobs):
         async for i, chunk in requests.chunks():
             index = i * request.n + chunk.index
             generated += len(chunk.token_ids)
+            text = text_of(index, chunk)
             logprobs = None
             if want_logprobs:
                 entries = aligners.setdefault(index, state.tokens.choice()).add(chunk)
                 logprobs = state.tokens.completion(entries) if entries else None
-            if not (chunk.text or chunk.finished or logprobs or (ids and chunk.token_ids)):
+            if not (text or chunk.finished or logprobs or (ids and chunk.token_ids)):
                 continue
             if want_logprobs and logprobs is None:
                 logprobs = state.tokens.completion([])
             choice = CompletionChoice(
                 index=index,
-                text=chunk.text or "",
+                text=text,
                 logprobs=logprobs,
                 finish_reason=chunk.finish_reason if chunk.finished else None,
             )

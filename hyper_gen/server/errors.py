@@ -67,6 +67,15 @@ def shutting_down() -> APIError:
     )
 
 
+def draining() -> APIError:
+    return APIError(
+        "the server is stopping (SIGTERM) and takes no new requests; those it holds finish: retry on another server",
+        status=503,
+        code="server_draining",
+        type_="service_unavailable",
+    )
+
+
 def engine_sleeping() -> APIError:
     return APIError(
         "the engine is asleep (POST /sleep freed its KV cache): POST /wake_up before sending requests",

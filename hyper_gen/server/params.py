@@ -15,6 +15,7 @@ import re
 
 from hyper_gen.engine import SamplingParams
 
+from . import dialects
 from .errors import bad_value
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -65,7 +66,15 @@ def check_sizes(request) -> None:
         )
 
 
+def check_dialect(request, endpoint: str) -> None:
+    """A 400 naming the first router / SGLang field (``dialects``) set to a value this server cannot honour."""
+    found = dialects.unhonoured(request, endpoint)
+    if found is not None:
+        raise bad_value(*found)
+
+
 def _check_unsupported(request) -> None:
+    check_dialect(request, dialects.COMPLETIONS if isinstance(request, CompletionRequest) else dialects.CHAT)
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(request, name)
         if value not in (None, 0, 0.0):

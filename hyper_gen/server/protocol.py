@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .dialects import ChatDialect, CompletionDialect
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -54,7 +56,7 @@ class _SamplingFields(_Request):
     guided_grammar: Optional[str] = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, CompletionDialect):  # + the routers' fields (dialects.py)
     prompt: Union[str, List[str], List[int], List[List[int]]]
     max_tokens: Optional[int] = Field(16, ge=0)  # 0: only with echo (the prompt scored, nothing generated)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
@@ -85,7 +87,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatDialect):  # + the routers' fields (dialects.py)
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)

@@ -14,6 +14,11 @@ takes), ``finish_reason`` (``{"type": "stop", "matched": id or string}``, ``{"ty
 ``weight_version`` (the engine's when the answer was made; ``"default"`` before any update, as
 SGLang's), ``e2e_latency``, and ``routed_experts`` ([token][moe layer][k] expert ids) when asked.
 
+``sampling_params.no_stop_trim: true`` keeps the matched stop string (or stop token's text) in
+``text``, ``skip_special_tokens: false`` decodes special tokens (``texts.py``); a top-level ``model``
+other than the served one is a 404, and the routers' other fields are taken at their neutral
+values only (``dialects.py``).
+
 An aborted request (``/abort_request``, ``/pause_generation`` in abort mode) answers what it had
 generated so far with ``finish_reason`` abort: resubmitting ``input_ids + output_ids`` continues
 it (partial rollout), from the prefix cache while the weights are unchanged.
@@ -31,12 +36,14 @@ import time
 import uuid
 from typing import List, Optional
 
+from . import dialects
 from .errors import APIError, bad_value, shutting_down
 from .logprobs import _finite
 from .prompts import _check_ids, _encode
 from .sglang_protocol import GenerateRequest, NativeSamplingParams, native_params, sampling_params_of
 from .state import ServerState, collected_chunks
 from .streams import DONE, EventStream, ServerClosing
+from .texts import texter
 
 MAX_BATCH = 2048
 
@@ -83,11 +90,13 @@ def _prompts(state: ServerState, request: GenerateRequest):
 class _Choice:
     """One sample's answer as it grows."""
 
-    def __init__(self, prompt: List[int], rid: str, params, sp: NativeSamplingParams, want: tuple):
+    def __init__(self, prompt: List[int], rid: str, params, sp: NativeSamplingParams, want: tuple, make=None):
         self.prompt, self.rid, self.params, self.sp = prompt, rid, params, sp
         self.return_logprob, self.top, self.start, self.text_in_logprobs = want
         self.ids: List[int] = []
-        self.text = ""
+        self.text = ""  # the engine's (the matched stop string is found past it)
+        self.own = make() if make is not None else None  # skip_special_tokens false / no_stop_trim (texts.py)
+        self.shown = ""
         self.logprobs: List[dict] = []
         self.finish_reason: Optional[str] = None
 
@@ -124,10 +133,7 @@ class _Answers:
 
     def answer(self, choice: _Choice, output=None, routed=None, index=None) -> dict:
         finished = choice.finish_reason is not None
-        text = choice.text
-        if not choice.sp.skip_special_tokens and self.state.tokenizer is not None:
-            ids = choice.ids[:-1] if finished and choice.finish_reason == "stop" and choice.ids else choice.ids
-            text = self.state.tokenizer.decode(ids, skip_special_tokens=False)
+        text = choice.text if choice.own is None else choice.shown
         version = output.weight_version if output is not None else getattr(self.state.engine, "weight_version", None)
         meta = {
             "id": choice.rid,
@@ -169,6 +175,10 @@ class _Answers:
 
 async def generate(state: ServerState, request: GenerateRequest, http_request):
     started = time.monotonic()
+    state.check_model(request.model)
+    found = dialects.unhonoured(request, dialects.GENERATE)
+    if found is not None:
+        raise bad_value(*found)
     prompts, batched = _prompts(state, request)
     count = len(prompts)
     sps = _per_prompt(sampling_params_of(request), count, "sampling_params", NativeSamplingParams())
@@ -191,7 +201,8 @@ async def generate(state: ServerState, request: GenerateRequest, http_request):
         )
         items.append((ids, params, rids[i]))
         want = (bool(want_lp[i]), tops[i], starts[i] if want_lp[i] else -1, request.return_text_in_logprobs)
-        choices.append([_Choice(ids, rids[i], params, sps[i], want) for _ in range(params.n)])
+        make = texter(state, params, sps[i].skip_special_tokens, sps[i].no_stop_trim)
+        choices.append([_Choice(ids, rids[i], params, sps[i], want, make) for _ in range(params.n)])
     requests = state.submit_each(items, "input_ids" if request.input_ids is not None else "text")
     answers = _Answers(state, request, started)
     many = batched or any(len(c) > 1 for c in choices)
@@ -212,6 +223,8 @@ async def generate(state: ServerState, request: GenerateRequest, http_request):
 def _add(choice: _Choice, chunk) -> None:
     choice.ids += [int(t) for t in chunk.token_ids]
     choice.text += chunk.text or ""
+    if choice.own is not None:
+        choice.shown += choice.own.add(chunk.token_ids, chunk.finished, chunk.finish_reason)
     if chunk.logprobs:
         choice.logprobs += chunk.logprobs
     if chunk.finished:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hyper_gen.engine import SamplingParams
 
+from .dialects import GenerateDialect
 from .errors import bad_value, validation_error
 from .params import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, field_named
 
@@ -41,12 +42,12 @@ class NativeSamplingParams(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False  # accepted false only
+    no_stop_trim: bool = False  # true: the stop string stays in the text (texts.py)
     seed: Optional[int] = None
     sampling_seed: Optional[int] = None
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_Body, GenerateDialect):  # + the routers' fields (dialects.py)
     """``POST /generate``: one prompt (``input_ids`` a list of ids, ``text`` a string) or a batch
     (a list of lists, a list of strings); per-prompt fields may be one value or one per prompt."""
 
@@ -154,8 +155,6 @@ def native_params(
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(sp, name) != 0:
             raise bad_value(where + name, f"{name} is not supported (only 0), got {getattr(sp, name)!r}")
-    if sp.no_stop_trim:
-        raise bad_value(where + "no_stop_trim", "no_stop_trim is not supported (only false)")
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise bad_value(where + "sampling_seed", f"seed ({sp.seed}) and sampling_seed ({sp.sampling_seed}) disagree")
     stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or ())

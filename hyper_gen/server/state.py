@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from hyper_gen.inputs import ModelLimits
 
-from .errors import APIError, bad_value, engine_sleeping, not_supported, shutting_down, unknown_model
+from .errors import APIError, bad_value, draining, engine_sleeping, not_supported, shutting_down, unknown_model
 from .logprobs import TokenStrings
 from .params import field_named
 from .streams import Requests, ServerClosing
@@ -34,6 +34,9 @@ class ServerState:
         self.tool_call_parser = "hermes"  # --tool-call-parser (tools.py): how tool calls are read from the output
         self.reasoning_parser = None  # --reasoning-parser: None keeps <think> in the content
         self.closing = False  # the server stopped and the grace period of its open requests is over
+        self.draining = False  # SIGTERM / SIGINT came: no new requests, the open ones finish
+        self.model_path: Optional[str] = None  # the checkpoint folder (GET /server_info, /model_info)
+        self.tp_size, self.backend = 1, None
         self._open: "weakref.WeakSet[Requests]" = weakref.WeakSet()  # responses not yet done
 
     def load(self) -> dict:
@@ -41,6 +44,20 @@ class ServerState:
         of ``engine.stats()``, the KV cache's numbers, is ``GET /metrics``'s)."""
         stats = self.engine.stats()
         return {key: stats[key] for key in ("running", "waiting") if key in stats}
+
+    def health(self) -> str:
+        """ "ok" while the server takes requests, else why not: "engine stopped", "draining" (stopping
+        after a signal), "asleep" (KV cache freed), "paused" (``/pause_generation``): a router
+        sends its requests elsewhere on the 503 that goes with it."""
+        if not getattr(self.engine, "alive", True):
+            return "engine stopped"
+        if self.draining or self.closing:
+            return "draining"
+        if self.sleeping:
+            return "asleep"
+        if bool(getattr(self.engine, "paused", False)):
+            return "paused"
+        return "ok"
 
     @property
     def sleeping(self) -> bool:
@@ -122,6 +139,8 @@ class ServerState:
         """``submit`` for ``[(prompt ids, params, request id), ...]``, each with its own params and id."""
         if self.closing:
             raise shutting_down()
+        if self.draining:
+            raise draining()
         if self.sleeping:
             raise engine_sleeping()
         streams = []
