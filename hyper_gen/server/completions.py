@@ -66,7 +66,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
         if chunk.finished:
             choice.finish_reason = chunk.finish_reason
     if request.prompt_logprobs is not None or request.echo:  # vLLM's: each choice of a prompt carries that prompt's
-        texts = echo.prompt_texts(request, prompts, state.tokenizer) if request.echo else None
+        echoed = echo.prompt_texts(request, prompts, state.tokenizer) if request.echo else None
         for i, stream in enumerate(requests.streams):
             found = stream.result(timeout=5).prompt_logprobs  # the stream has ended: no wait
             prompt_logprobs = None
@@ -76,8 +76,8 @@ async def create_completion(state: ServerState, request: CompletionRequest, http
                 choice = choices.get(i * request.n + j)
                 if choice is not None:
                     choice.prompt_logprobs = prompt_logprobs
-                    if texts is not None:
-                        echo.prepend(choice, state, request, prompts[i], texts[i], found)
+                    if echoed is not None:
+                        echo.prepend(choice, state, request, prompts[i], echoed[i], found)
     ordered = [choices[k] for k in sorted(choices)]
     return CompletionResponse(**head, choices=ordered, usage=_usage(prompt_tokens, generated))
 
