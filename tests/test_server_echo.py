@@ -74,7 +74,8 @@ def test_echo_logprobs_are_the_prompt_scores(served, tokenizer):
     only = client.completions.create(model="demo", prompt=rows, max_tokens=0, logprobs=2, echo=True)
     for ids, choice, full in zip(rows, only.choices, out.choices):
         assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
-        assert choice.logprobs.token_logprobs == pytest.approx(full.logprobs.token_logprobs[: len(ids)], abs=1e-5)
+        # (abs 1e-4 as against score(): a row's float32 values move with what shares its forward, issue 45)
+        assert choice.logprobs.token_logprobs == pytest.approx(full.logprobs.token_logprobs[: len(ids)], abs=1e-4)
         assert all(top is None or len(top) == 2 for top in choice.logprobs.top_logprobs)
     assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (sum(map(len, rows)), 0)
 

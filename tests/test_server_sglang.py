@@ -8,6 +8,7 @@ logprobs it must answer come from plain ``hyper_gen.generate`` in another proces
 
 import http.client
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -137,6 +138,23 @@ def test_generate_token_ids_and_logprobs_equal_generate(served):
     assert isinstance(single, dict) and len(single["output_ids"]) <= 4
 
 
+def test_generate_structured_outputs_in_sglangs_names(served):
+    """SGLang's ``json_schema`` (text) / ``regex`` / ``ebnf`` in ``sampling_params``: every answer follows
+    its own grammar in one batched request."""
+    _, _, http, ids, _ = served
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"]}
+    schema["additionalProperties"] = False
+    params = [
+        {"max_new_tokens": 24, "temperature": 0, "json_schema": json.dumps(schema)},
+        {"max_new_tokens": 24, "temperature": 0.8, "seed": 3, "regex": "[0-9]{3} (yes|no)"},
+        {"max_new_tokens": 24, "temperature": 0, "ebnf": 'root ::= "left" | "right"'},
+    ]
+    out = ok(http.post("/generate", {"input_ids": ids, "sampling_params": params}))
+    assert json.loads(out[0]["text"])["n"] <= 99, out[0]
+    assert re.fullmatch("[0-9]{3} (yes|no)", out[1]["text"]), out[1]
+    assert out[2]["text"] in ("left", "right"), out[2]
+
+
 def test_prompt_logprobs_from_logprob_start_len(served):
     _, _, http, ids, _ = served
     body = {"input_ids": ids[0], "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True}
@@ -204,6 +222,9 @@ BAD = [
     ({"input_ids": [1, 2], "return_routed_experts": True}, "return_routed_experts"),
     ({"input_ids": [1, "2"]}, "input_ids"),
     ({"input_ids": [1, 2], "sampling_params": 3}, "sampling_params"),
+    ({"input_ids": [1, 2], "sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
+    ({"input_ids": [1, 2], "sampling_params": {"regex": "(a", "ebnf": "root ::= 'a'"}}, "sampling_params.ebnf"),
+    ({"input_ids": [[1, 2], [3]], "sampling_params": [{}, {"regex": "(open"}]}, "sampling_params.1.regex"),
 ]
 
 

@@ -36,7 +36,7 @@ import time
 import uuid
 from typing import List, Optional
 
-from . import dialects
+from . import dialects, structured
 from .errors import APIError, bad_value, shutting_down
 from .logprobs import _finite
 from .prompts import _check_ids, _encode
@@ -196,8 +196,16 @@ async def generate(state: ServerState, request: GenerateRequest, http_request):
                 "logprob_start_len",
                 f"logprob_start_len={starts[i]} is past the prompt's {len(ids)} tokens (-1: output logprobs only)",
             )
+        where = "sampling_params." if not isinstance(request.sampling_params, list) else f"sampling_params.{i}."
+        spec = structured.sglang_requested(sps[i], where)
+        outputs = structured.build(state, *spec) if spec else None
         params = native_params(
-            sps[i], bool(want_lp[i]), tops[i], bool(want_lp[i]) and starts[i] >= 0, request.return_routed_experts
+            sps[i],
+            bool(want_lp[i]),
+            tops[i],
+            bool(want_lp[i]) and starts[i] >= 0,
+            request.return_routed_experts,
+            outputs,
         )
         items.append((ids, params, rids[i]))
         want = (bool(want_lp[i]), tops[i], starts[i] if want_lp[i] else -1, request.return_text_in_logprobs)

@@ -45,6 +45,10 @@ class NativeSamplingParams(_Body):
     no_stop_trim: bool = False  # true: the stop string stays in the text (texts.py)
     seed: Optional[int] = None
     sampling_seed: Optional[int] = None
+    # structured outputs, SGLang's names (at most one): a JSON schema as text, a regex, an EBNF grammar
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
 
 class GenerateRequest(_Body, GenerateDialect):  # + the routers' fields (dialects.py)
@@ -147,10 +151,16 @@ class EmptyRequest(_Body):
 
 
 def native_params(
-    sp: NativeSamplingParams, return_logprob: bool, top_logprobs_num: int, prompt_logprobs: bool, routed: bool
+    sp: NativeSamplingParams,
+    return_logprob: bool,
+    top_logprobs_num: int,
+    prompt_logprobs: bool,
+    routed: bool,
+    structured_outputs=None,
 ) -> SamplingParams:
     """The engine's SamplingParams for one prompt's ``sampling_params`` (``prompt_logprobs``: the
-    prompt's logprobs too, for ``logprob_start_len`` >= 0; ``routed``: ``return_routed_experts``)."""
+    prompt's logprobs too, for ``logprob_start_len`` >= 0; ``routed``: ``return_routed_experts``;
+    ``structured_outputs``: what ``structured.build`` made of its ``json_schema`` / ``regex`` / ``ebnf``)."""
     where = "sampling_params."
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(sp, name) != 0:
@@ -187,6 +197,8 @@ def native_params(
             params["prompt_logprobs"] = top_logprobs_num
     if routed:
         params["return_routed_experts"] = True
+    if structured_outputs is not None:
+        params["structured_outputs"] = structured_outputs
     names = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "logprobs": "top_logprobs_num"}
     names.update(prompt_logprobs="top_logprobs_num", return_routed_experts="return_routed_experts")
     try:

@@ -2,7 +2,8 @@
 / ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` extras (both endpoints), as
 the engine's ``StructuredOutputs``; a 400 naming the field for a malformed one or a grammar the library
 (llguidance) rejects. JSON leaves no free whitespace (vLLM's ``disable_any_whitespace``), unless
-``structured_outputs`` says ``"disable_any_whitespace": false``.
+``structured_outputs`` says ``"disable_any_whitespace": false``. SGLang's ``/generate`` names them in its
+``sampling_params``: ``json_schema`` (the schema as text), ``regex``, ``ebnf`` (``sglang_requested``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ def requested(request) -> Optional[Tuple[dict, str]]:
     return found[0] if found else None
 
 
+_SGLANG = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+
+
+def sglang_requested(sp, where: str) -> Optional[Tuple[dict, str]]:
+    """SGLang's ``sampling_params`` ``json_schema`` (text) / ``regex`` / ``ebnf`` as (the StructuredOutputs
+    fields, the field named ``where`` + its name), or None; a 400 when more than one is set."""
+    found = [(name, getattr(sp, name)) for name in _SGLANG if getattr(sp, name, None) is not None]
+    if len(found) > 1:
+        names = ", ".join(where + name for name, _ in found)
+        raise bad_value(where + found[1][0], f"give one of json_schema / regex / ebnf, got {names}")
+    if not found:
+        return None
+    name, value = found[0]
+    return {_SGLANG[name]: value}, where + name
+
+
 def build(state, spec: dict, param: str) -> StructuredOutputs:
     """``spec`` checked and compiled by the engine's grammar backend (cached there); a 400 naming ``param``."""
     try:
@@ -71,4 +88,4 @@ def build(state, spec: dict, param: str) -> StructuredOutputs:
     return outputs
 
 
-__all__ = ["requested", "build"]
+__all__ = ["requested", "sglang_requested", "build"]
