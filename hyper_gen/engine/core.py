@@ -206,7 +206,8 @@ class EngineCore:
             if isinstance(message, AddRequest):
                 if self.asleep or self._sleep_planned or self._sleeps_asked:
                     raise RuntimeError(
-                        "the engine is asleep or going to sleep (engine.sleep()): call engine.wake_up() before submitting"
+                        "the engine is asleep or going to sleep (engine.sleep()): call engine.wake_up() before "
+                        "submitting"
                     )
                 message.request.serial = next(self._serials)
                 self._queued_adds += 1
