@@ -93,6 +93,9 @@ def _preview(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+_TOKEN_ID_ARRAYS = ("input_ids", "sequences")  # generate's and score's token ids
+
+
 def _as_2d_int(name: str, value: Any) -> np.ndarray:
     problem = _text_problem(name, value)
     if problem is not None:
@@ -118,8 +121,8 @@ def _as_2d_int(name: str, value: Any) -> np.ndarray:
     if array.dtype == bool and name == "attention_mask":
         array = array.astype(np.int64)
     if not np.issubdtype(array.dtype, np.integer):
-        if name == "input_ids":
-            raise InputTypeError(f"input_ids must hold integers (token ids), got dtype {array.dtype}")
+        if name in _TOKEN_ID_ARRAYS:  # float ids are the wrong kind of input (generate's and score's TypeError)
+            raise InputTypeError(f"{name} must hold integers (token ids), got dtype {array.dtype}")
         raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
     if np.issubdtype(array.dtype, np.unsignedinteger) and array.dtype.itemsize == 8:
         too_big = array > _INT64_MAX  # would wrap to negative in int64

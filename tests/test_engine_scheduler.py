@@ -39,6 +39,7 @@ def _run(scheduler, requests, rng, max_steps=5000):
     for request in requests:
         scheduler.add(request)
     computed = {}  # key -> positions computed since its sequence was (re)started
+    announced = set()  # serials the runners were told of: once each, preempted or not
     budget = scheduler.max_num_batched_tokens
     for step in range(max_steps):
         drops = [c.key for r in requests for c in r.choices if len(c.token_ids) >= r.params.max_tokens]
@@ -48,6 +49,8 @@ def _run(scheduler, requests, rng, max_steps=5000):
         out = scheduler.schedule()
         out = SchedulerOutput.decode(out.encode())  # what the other ranks get
         assert not out.empty, "the scheduler has work but scheduled nothing: wedged"
+        assert announced.isdisjoint(out.new_requests), out.new_requests
+        announced.update(out.new_requests)
         for parent, children in out.forks:  # (the runner's order: forks, then frees)
             for child, _ in children:
                 computed[child] = computed[parent]
@@ -89,6 +92,7 @@ def test_no_mix_of_requests_wedges_the_scheduler(seed):
     steps = _run(scheduler, requests, rng)
     assert all(len(c.token_ids) == r.params.max_tokens for r in requests for c in r.choices)
     assert steps > 0 and kv.pool.num_used == 0
+    assert not scheduler._seen  # issue 48: its bookkeeping is bounded by what is in flight
 
 
 def test_two_prompts_that_fill_the_pool_together_both_finish():

@@ -102,3 +102,48 @@ def test_a_weight_update_empties_the_prefix_cache(backend, one_torch_thread):
         assert engine.stats()["prefix_cache_hits"] == hits  # nothing computed by the old weights is reused
     ref = host(generate(model, [PROMPT], max_new_tokens=4, eos_token_id=None))[0, len(PROMPT) :]
     assert out.outputs[0].token_ids == ref.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sleep_with_abort_while_threads_keep_submitting(backend, one_torch_thread):
+    """Issue 48: ``sleep(abort=True)`` never fails for requests that arrive meanwhile. Submissions
+    are refused from the moment the sleep is asked for until ``wake_up``; everything accepted ends
+    (its tokens, or finish_reason "abort"), none is left waiting."""
+    import threading
+
+    stop, accepted, refused, unexpected = threading.Event(), [], [], []
+
+    def submit_forever(seed):
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            try:
+                prompt = PROMPT[: int(rng.choice([9, 40]))]  # (two shapes: MindSpore compiles one graph a shape)
+                accepted.append(engine.submit(prompt, greedy(int(rng.integers(1, 12)))))
+            except RuntimeError as error:
+                (refused if "sleep" in str(error) else unexpected).append(error)
+            time.sleep(0.002)  # a few hundred requests a second from each
+
+    with Engine(demo(backend), max_batch_size=4) as engine:
+        threads = [threading.Thread(target=submit_forever, args=(seed,)) for seed in range(3)]
+        for thread in threads:
+            thread.start()
+        try:
+            for _ in range(8):
+                while not accepted:
+                    time.sleep(0.001)
+                engine.sleep(abort=True)
+                assert engine.is_sleeping
+                count = len(accepted)
+                time.sleep(0.01)
+                assert len(accepted) == count  # asleep: nothing is taken
+                engine.wake_up()
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert refused and not unexpected, unexpected[:3]
+        reasons = {o.finish_reason for stream in accepted for o in stream.result(timeout=60).outputs}
+        assert reasons <= {"abort", "stop", "length"} and "abort" in reasons
+        assert engine.stats()["running"] == engine.stats()["waiting"] == 0
+        assert engine.submit(PROMPT, greedy(2)).result(timeout=60).outputs[0].token_ids

@@ -10,6 +10,7 @@ stand-in engine in ``test_server_metrics.py``.
 """
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -147,3 +148,97 @@ def test_sleep_with_abort_ends_the_running_request(awake):
     assert call(server, "POST", "/wake_up") == (200, {"is_sleeping": False})
     out = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert out.choices[0].text == " 54321"
+
+
+def send(server, method, path, body=None):
+    """(status, parsed JSON body) of one HTTP request with a JSON ``body``."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        server.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize(
+    "method,path,body,param",
+    [
+        ("POST", "/sleep?level=abc", None, "level"),
+        ("POST", "/sleep?level=3", None, "level"),
+        ("POST", "/sleep?level=0", None, "level"),
+        ("POST", "/sleep?levle=1", None, "levle"),
+        ("POST", "/sleep?abort=true&abort=false", None, "abort"),
+        ("POST", "/sleep?level=1", {"level": 1}, "body"),
+        ("POST", "/sleep", {"abort": True}, "body"),
+        ("POST", "/wake_up?tags=everything", None, "tags"),
+        ("POST", "/wake_up?tag=kv_cache", None, "tag"),
+        ("POST", "/wake_up", {"tags": ["kv_cache"]}, "body"),
+        ("GET", "/is_sleeping?x=1", None, "x"),
+        ("POST", "/flush_cache?all=1", None, "all"),
+        ("POST", "/flush_cache", {"all": True}, "body"),
+        ("POST", "/pause_generation?mode=abort", None, "mode"),
+        ("POST", "/release_memory_occupation?abort=true", None, "abort"),
+        ("GET", "/get_weight_version?v=1", None, "v"),
+        ("POST", "/update_weights_from_disk?model_path=x", {"model_path": "x"}, "model_path"),
+    ],
+)
+def test_control_endpoints_refuse_what_they_do_not_take(awake, method, path, body, param):
+    """Issue 48: ``/sleep?level=abc`` slept (a 200), a body on /sleep was ignored; now each unknown
+    or invalid query parameter, and a body where the options are query parameters, is a 400 naming
+    it, and the engine is left as it was."""
+    engine, server = awake
+    status, answer = send(server, method, path, body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
+    assert repr(param) in answer["error"]["message"] or param == "body", answer
+    assert not engine.is_sleeping and not engine.paused
+
+
+def test_vllm_sleep_levels_and_wake_tags(awake):
+    engine, server = awake
+    for level in ("1", "2"):
+        assert send(server, "POST", f"/sleep?level={level}") == (200, {"is_sleeping": True})
+        assert send(server, "POST", "/wake_up?tags=weights") == (200, {"is_sleeping": True})  # weights never left
+        assert send(server, "POST", "/wake_up?tags=weights&tags=kv_cache") == (200, {"is_sleeping": False})
+    assert send(server, "POST", "/sleep?level=1&abort=false", {}) == (200, {"is_sleeping": True})
+    assert send(server, "POST", "/wake_up") == (200, {"is_sleeping": False})
+
+
+@pytest.mark.slow
+def test_sleep_with_abort_while_clients_keep_sending(awake):
+    """Issue 48: ``POST /sleep?abort=true`` while three clients keep sending never answers 409;
+    every request is answered (a completion, possibly aborted, or the 503 of a sleeping engine)."""
+    import threading
+
+    engine, server = awake
+    stop, statuses, unexpected = threading.Event(), [], []
+
+    def send_forever():
+        client = client_of(server)
+        while not stop.is_set():
+            try:
+                out = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+                statuses.append(out.choices[0].finish_reason)
+            except openai.InternalServerError as error:
+                (statuses if error.status_code == 503 else unexpected).append(error.status_code)
+            except Exception as error:  # noqa: BLE001 - any other answer is the failure
+                unexpected.append(repr(error))
+
+    threads = [threading.Thread(target=send_forever) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(15):
+            while len(statuses) < 2:
+                time.sleep(0.005)
+            assert send(server, "POST", "/sleep?abort=true") == (200, {"is_sleeping": True})
+            assert send(server, "POST", "/wake_up") == (200, {"is_sleeping": False})
+            statuses.clear()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert not unexpected, unexpected[:3]

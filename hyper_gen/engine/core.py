@@ -133,6 +133,7 @@ class EngineCore:
         self.paused = False
         self.asleep = False
         self._sleep_planned = False  # rank 0: a sleep is in this step's plan (submit is refused from then)
+        self._sleeps_asked = 0  # rank 0: queued sleep(abort=True) calls (submit is refused from the call on)
         self.weight_version = None  # the last update's version, on every output
         self._boundary: Optional[Message] = None  # rank 0: the update / sleep / wake_up / shutdown of this plan
         self._taken: List[Message] = []  # rank 0: the messages of the step running now
@@ -203,10 +204,15 @@ class EngineCore:
                     f"{message.name} waits for a step boundary: call it from another thread than {where}"
                 )
             if isinstance(message, AddRequest):
-                if self.asleep or self._sleep_planned:
-                    raise RuntimeError("the engine is asleep (engine.sleep()): call engine.wake_up() before submitting")
+                if self.asleep or self._sleep_planned or self._sleeps_asked:
+                    raise RuntimeError(
+                        "the engine is asleep or going to sleep (engine.sleep()): call engine.wake_up() before "
+                        "submitting"
+                    )
                 message.request.serial = next(self._serials)
                 self._queued_adds += 1
+            if isinstance(message, Sleep) and message.abort:  # refuse, abort, sleep: no request slips in between
+                self._sleeps_asked += 1
             if isinstance(message, Shutdown):
                 self.state = "stopping"
             self._queue.append(message)
@@ -388,6 +394,7 @@ class EngineCore:
                 self.paused = False
             elif isinstance(message, Sleep):
                 if message.abort:
+                    self._sleeps_asked -= 1
                     message.requests = self._targets(ALL, aborted)
                     aborted += message.requests
                 busy = [r for r in (*self.live.values(), *self.waiting) if not r.finished and r not in aborted]

@@ -200,6 +200,8 @@ class Scheduler:
             self.kv.free(seq.key)
             self._next.freed.append(seq.key)
         seq.restart()
+        if not any(other.request is seq.request for other in (*self.waiting, *self.running)):
+            self._seen.discard(seq.request.serial)  # its last sequence left: bounded by what is in flight
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)

@@ -267,6 +267,11 @@ class Checkpoint:
         handle, stored = self._handle(name)
         return tuple(handle.get_slice(stored).get_shape())
 
+    def stored_dtype(self, name: str) -> str:
+        """The safetensors dtype tensor ``name`` is stored in ("BF16", "F32", ...)."""
+        handle, stored = self._handle(name)
+        return handle.get_slice(stored).get_dtype()
+
     def check_shape(self, name: str, shape: Sequence[int]) -> None:
         """A ValueError naming the tensor when it is missing or not of ``shape``."""
         found = self.shape(name)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Dict, Iterable, Set
+from typing import Dict, Iterable, Optional, Set
 
 import numpy as np
 
 from hyper_gen import registry
 from hyper_gen.models.checkpoint import _MULTIMODAL_TEXT_PREFIX, _SKIPPED_PREFIXES, Checkpoint, Piece, _all_finite
+from hyper_gen.models.expert_layouts import into_model_layout, other_layout
 from hyper_gen.models.qwen3_5.shards import EMBED_TOKENS
 
 
@@ -138,8 +139,10 @@ class WeightUpdate:
     prepare()()``), so a multi-rank engine can convert on every rank, agree that all ranks did, and
     only then write."""
 
-    def __init__(self, model, source: "WeightSource", arrays: Dict[str, np.ndarray]):
+    def __init__(self, model, source: "WeightSource", arrays: Dict[str, np.ndarray], count: Optional[int] = None):
+        # count: the caller's tensors (a fused expert tensor may stand for many of ``arrays``, or many for one)
         self.model, self.source, self.arrays = model, source, arrays
+        self.count = len(arrays) if count is None else count
 
     def prepare(self):
         overlay = UpdateSource(self.source.checkpoint, self.arrays, self.source.updated)
@@ -149,7 +152,7 @@ class WeightUpdate:
         def commit() -> int:
             write()
             self.source.updated.update(self.arrays)
-            return len(self.arrays)
+            return self.count
 
         return commit
 
@@ -172,7 +175,9 @@ class WeightSource:
 def check(model, weights: Iterable) -> WeightUpdate:
     """Every ``(name, tensor)`` of ``weights`` checked against the model's checkpoint description:
     a ValueError naming the tensor for an unknown name, a wrong shape, a non-float dtype or a
-    non-finite value; a TypeError for something that is not a tensor. Nothing is converted yet."""
+    non-finite value; a TypeError for something that is not a tensor. MoE experts are taken in
+    either layout (fused as a transformers 5 trainer holds them, or per expert as checkpoints
+    name them) and put into the model's (``expert_layouts``). Nothing is converted yet."""
     source = getattr(model, "weight_source", None)
     if not isinstance(source, WeightSource):
         raise ValueError(
@@ -182,7 +187,9 @@ def check(model, weights: Iterable) -> WeightUpdate:
         weights = weights.items()
     shard = source.family.describe(source.checkpoint, model.config, model.tp_plan)
     shapes = expected_shapes(shard)
+    other = other_layout(shapes)  # the expert layout the model was not loaded from
     arrays: Dict[str, np.ndarray] = {}
+    translated: Dict[str, tuple] = {}  # a name of ``other`` -> (the caller's name, array)
     for item in weights:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
             raise TypeError(f"update_weights: each item must be a (name: str, tensor) pair, got {item!r:.80}")
@@ -190,32 +197,48 @@ def check(model, weights: Iterable) -> WeightUpdate:
         name = normalised_name(given)
         if name.startswith(_SKIPPED_PREFIXES):  # vision tower / MTP weights: not part of the text model
             continue
-        if name not in shapes:
+        expected = shapes.get(name, other.get(name))
+        if expected is None:
             raise ValueError(f"update_weights: {given!r} is not a weight of this model's checkpoint")
         array = to_numpy(given, tensor)
         if array.dtype.kind != "f":
             raise ValueError(f"update_weights: {given!r} has dtype {array.dtype}, expected a floating dtype")
-        if tuple(array.shape) != tuple(shapes[name]):
-            raise ValueError(f"update_weights: {given!r} has shape {tuple(array.shape)}, expected {shapes[name]}")
+        if tuple(array.shape) != tuple(expected):
+            raise ValueError(f"update_weights: {given!r} has shape {tuple(array.shape)}, expected {expected}")
         if not _all_finite(array):
             nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
             raise ValueError(f"update_weights: {given!r} has non-finite values ({nan} NaN, {inf} inf)")
-        if name in arrays:
+        if name in arrays or name in translated:
             raise ValueError(f"update_weights: {given!r} is given twice")
-        arrays[name] = array
-    return WeightUpdate(model, source, arrays)
+        if name in shapes:
+            arrays[name] = array
+        else:
+            translated[name] = (given, array)
+    count = len(arrays) + len(translated)
+    if translated:
+
+        def read(name: str, dtype) -> np.ndarray:  # the model's source's value of a tensor no update changed
+            wide = "float64" if source.checkpoint.stored_dtype(name) in ("F64", "float64") else np.dtype(dtype).name
+            return source.checkpoint.get(name, wide)
+
+        for name, (given, array) in into_model_layout(translated, shapes, read, source.updated).items():
+            if name in arrays:
+                raise ValueError(f"update_weights: {given!r} and {name!r} both give {name!r}: it is given twice")
+            arrays[name] = array
+    return WeightUpdate(model, source, arrays, count)
 
 
 def model_shapes(model) -> Dict[str, tuple]:
     """name -> full checkpoint shape of every tensor ``update_weights`` takes for ``model`` (a
-    ValueError for a model not loaded by ``load_model``): what a server checks a trainer's
-    announced tensors against before it receives them."""
+    ValueError for a model not loaded by ``load_model``), MoE experts in both layouts: what a
+    server checks a trainer's announced tensors against before it receives them."""
     source = getattr(model, "weight_source", None)
     if not isinstance(source, WeightSource):
         raise ValueError(
             f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(model).__name__}"
         )
-    return expected_shapes(source.family.describe(source.checkpoint, model.config, model.tp_plan))
+    shapes = expected_shapes(source.family.describe(source.checkpoint, model.config, model.tp_plan))
+    return {**other_layout(shapes), **shapes}
 
 
 def announced_problem(shapes: Dict[str, tuple], name: str, shape) -> tuple:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hyper_gen import __version__
 
-from . import control, errors, info, render, tokenization, weight_sync
+from . import control, errors, info, query, render, tokenization, weight_sync
 from .access_log import AccessLog
 from .body import read_json
 from .chat import create_chat_completion
@@ -103,18 +103,28 @@ def create_app(
 
     @app.post("/sleep")
     async def sleep(http_request: Request):
-        """Free the engine's KV cache; 409 while requests run or wait unless ``?abort=true``."""
-        await state.sleep(_flag(http_request, "abort"))
+        """Free the engine's KV cache; 409 while requests run or wait unless ``?abort=true``.
+        ``level`` (vLLM's 1 or 2) frees the KV cache either way: the weights stay in place."""
+        found = query.params(http_request, ("level", "abort"))
+        query.choice(found, "level", query.SLEEP_LEVELS)
+        abort = query.flag(found, "abort")
+        await query.no_body(http_request, "its options are query parameters: ?level=1&abort=true")
+        await state.sleep(abort)
         return {"is_sleeping": state.sleeping}
 
     @app.post("/wake_up")
-    async def wake_up():
-        """Take the KV cache back; requests are served again."""
-        await state.wake_up()
+    async def wake_up(http_request: Request):
+        """Take the KV cache back; requests are served again. vLLM's ``tags``: without
+        ``kv_cache`` among them nothing was released, so nothing is taken back."""
+        tags = query.choices(query.params(http_request, ("tags",), repeatable=("tags",)), "tags", query.WAKE_TAGS)
+        await query.no_body(http_request, "its options are query parameters: ?tags=kv_cache")
+        if tags is None or "kv_cache" in tags:
+            await state.wake_up()
         return {"is_sleeping": state.sleeping}
 
     @app.get("/is_sleeping")
-    async def is_sleeping():
+    async def is_sleeping(http_request: Request):
+        query.params(http_request, ())
         return {"is_sleeping": state.is_sleeping()}
 
     @app.get("/v1/models")
@@ -165,7 +175,9 @@ def create_app(
 
 
 async def _optional_body(http_request: Request, model):
-    """A control endpoint's body: none (or an empty one) is every field at its default."""
+    """A control endpoint's body: none (or an empty one) is every field at its default. Its
+    options are the body's: a query parameter is a 400 naming it."""
+    query.params(http_request, ())
     if not (await http_request.body()).strip():
         return model()
     return await read_json(http_request, model, "")
@@ -180,7 +192,8 @@ def _native_routes(app: FastAPI, state: ServerState) -> None:
         return await generate(state, request, http_request)
 
     @app.get("/get_weight_version")
-    async def get_weight_version():
+    async def get_weight_version(http_request: Request):
+        query.params(http_request, ())
         return control.weight_version(state)
 
     @app.post("/pause_generation")
@@ -197,7 +210,9 @@ def _native_routes(app: FastAPI, state: ServerState) -> None:
         return await control.abort(state, await _optional_body(http_request, AbortRequest))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(http_request: Request):
+        query.params(http_request, ())
+        await query.no_body(http_request, "it takes no options")
         return await control.flush_cache(state)
 
     @app.post("/release_memory_occupation")
@@ -212,6 +227,7 @@ def _native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(http_request: Request):
+        query.params(http_request, ())
         request = await read_json(http_request, DiskUpdateRequest, "model_path")
         return await control.update_from_disk(state, request)
 
@@ -220,10 +236,12 @@ def _native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(http_request: Request):
+        query.params(http_request, ())
         return await groups.init(await read_json(http_request, InitGroupRequest, "master_address"))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(http_request: Request):
+        query.params(http_request, ())
         request = await read_json(http_request, DistributedUpdateRequest, "names")
         return await groups.update(lambda: control.abort_everything(state), request)
 
@@ -233,19 +251,7 @@ def _native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(http_request: Request):
+        query.params(http_request, ())
         max_bytes = weight_sync.MAX_TENSOR_BODY_BYTES
         request = await read_json(http_request, TensorUpdateRequest, "serialized_named_tensors", max_bytes)
         return await weight_sync.update_from_tensor(state, request)
-
-
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
-
-
-def _flag(http_request: Request, name: str) -> bool:
-    """A boolean query parameter (absent: false); any other word is a 400 naming it."""
-    value = http_request.query_params.get(name)
-    if value is None or value.lower() in _FALSE:
-        return False
-    if value.lower() in _TRUE:
-        return True
-    raise errors.bad_value(name, f"{name!r} must be true or false, got {errors.shown(value)}")
