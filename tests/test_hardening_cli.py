@@ -31,6 +31,7 @@ COMMANDS = (
     "update",
     "logprobs",
     "engine",
+    "rl",
     "text",
 )
 

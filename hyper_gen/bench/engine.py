@@ -65,9 +65,11 @@ WITHOUT_MODEL = ("text",)  # run once, before any backend's model is loaded
 
 
 def scenario_list(text: str) -> str:
-    """An argparse type: a comma-separated list of SCENARIOS."""
+    """An argparse type: a comma-separated list of SCENARIOS, or ``all`` (each of them, in order)."""
     import argparse
 
+    if text.strip() == "all":
+        return ",".join(SCENARIOS)
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in SCENARIOS]
     if unknown or not names:
@@ -84,8 +86,8 @@ def add_parser(sub):
     parser.add_argument(
         "--scenarios",
         type=scenario_list,
-        default=",".join(SCENARIOS),
-        help=f"comma-separated, from {', '.join(SCENARIOS)}",
+        default="all",
+        help=f"comma-separated, from {', '.join(SCENARIOS)}; all: each of them",
     )
     parser.add_argument(
         "--max-num-batched-tokens", type=positive, default=2048, help="the engine's per-step token budget"

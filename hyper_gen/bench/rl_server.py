@@ -332,7 +332,7 @@ def part_list(text: str) -> str:
 def add_parser(sub):
     from .arguments import CACHE_DIR, add_command, positive
 
-    parser = add_command(sub, "rl", "the RL server: weight sync vs a bare broadcast, /generate vs /v1/completions")
+    parser = add_command(sub, "rl", "RL server: weight sync vs bare broadcast, /generate")
     parser.add_argument(
         "--parts", type=part_list, default="weights,generate", help=f"comma-separated, from {', '.join(PARTS)}"
     )
