@@ -22,14 +22,13 @@ The host (CPU, ISA, threads) is printed; run it on an idle machine.
 from __future__ import annotations
 
 import glob
-import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import List
 
 import numpy as np
@@ -37,61 +36,14 @@ import numpy as np
 from hyper_gen.host import describe_host
 
 from .models import SHAPES, make_checkpoint
-from .serve import READY
+from .serve import _ServerProcess, free_port, post_json
 
 PARTS = ("weights", "generate")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    """``python -m hyper_gen serve`` on ``path`` (its own process), until ``stop``."""
-
-    def __init__(self, path: str, backend: str, extra=()):
-        cmd = [sys.executable, "-m", "hyper_gen", "serve", "--backend", backend, "--model", path, "--port", "0"]
-        cmd += ["--served-model-name", "bench", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: List[str] = []
-        self.address, ready = None, threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                match = READY.search(line)
-                if match and self.address is None:
-                    self.address = (match.group(1), int(match.group(2)))
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(600)
-        if self.address is None:
-            self.stop()
-            raise SystemExit("hyper-gen bench rl: the server did not start:\n" + "".join(self.lines[-40:]))
-
-    def post(self, path: str, body: dict, timeout: float = 900):
-        conn = http.client.HTTPConnection(*self.address, timeout=timeout)
-        try:
-            conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            payload = response.read()
-            if response.status != 200:
-                raise RuntimeError(f"{path}: HTTP {response.status}: {payload[:300]!r}")
-            return json.loads(payload or b"null")
-        finally:
-            conn.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def _server(path: str, backend: str, max_batch_size: int = 32):
+    """``hyper-gen serve`` on ``path`` in its own process (serve.py's), until ``stop``."""
+    return _ServerProcess(SimpleNamespace(backend=backend, max_batch_size=max_batch_size, model=path))
 
 
 def _served_checkpoint(shape: str, cache_dir: str) -> str:
@@ -147,7 +99,7 @@ def _bare_broadcasts(tensors: dict, repeats: int, flattened: bool) -> List[float
     """Seconds of each bare broadcast of every tensor to a receiving process (until its barrier)."""
     import torch.distributed as dist
 
-    port = _free_port()
+    port = free_port()
     specs = [[n, str(t.dtype).replace("torch.", ""), list(t.shape)] for n, t in tensors.items()]
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, text=True)
     receiver.stdin.write(json.dumps({"port": port, "repeats": repeats, "specs": specs, "flattened": flattened}))
@@ -165,15 +117,15 @@ def _bare_broadcasts(tensors: dict, repeats: int, flattened: bool) -> List[float
     return times
 
 
-def _post_into(server: _Server, body: dict, version: str, done: dict) -> None:
+def _post_into(server, body: dict, version: str, done: dict) -> None:
     """One update's POST (on its own thread: it answers once the broadcasts are received and applied)."""
-    done["answer"] = server.post("/update_weights_from_distributed", dict(body, weight_version=version))
+    done["answer"] = post_json(server.address, "/update_weights_from_distributed", dict(body, weight_version=version))
     done["at"] = time.perf_counter()
 
 
-def _pushes(server: _Server, tensors: dict, repeats: int, flattened: bool) -> List[tuple]:
+def _pushes(server, tensors: dict, repeats: int, flattened: bool) -> List[tuple]:
     """(total, HTTP + checks, broadcasts, apply) seconds of each ``/update_weights_from_distributed``."""
-    port = _free_port()
+    port = free_port()
     init = {
         "master_address": "127.0.0.1",
         "master_port": port,
@@ -183,7 +135,9 @@ def _pushes(server: _Server, tensors: dict, repeats: int, flattened: bool) -> Li
         "backend": "gloo",
     }
     answer = {}
-    thread = threading.Thread(target=lambda: answer.update(init=server.post("/init_weights_update_group", init)))
+    thread = threading.Thread(
+        target=lambda: answer.update(init=post_json(server.address, "/init_weights_update_group", init))
+    )
     thread.start()
     group = _join(port, 0, "bench")
     thread.join()
@@ -211,7 +165,7 @@ def _pushes(server: _Server, tensors: dict, repeats: int, flattened: bool) -> Li
         if not done.get("answer", {}).get("success"):
             raise RuntimeError(f"/update_weights_from_distributed failed: {done.get('answer')}")
         out.append((done["at"] - start, first - start, last - first, done["at"] - last))
-    server.post("/destroy_weights_update_group", {"group_name": "bench"})
+    post_json(server.address, "/destroy_weights_update_group", {"group_name": "bench"})
     group.destroy()
     return out
 
@@ -224,7 +178,7 @@ def weights(args) -> dict:
         f"weights: {len(tensors)} tensors, {size / 2**20:.0f} MiB ({args.sync_shape} shape) over gloo, "
         f"best of {args.repeats}"
     )
-    server = _Server(path, "torch")
+    server = _server(path, "torch")
     metrics = {}
     try:
         for flattened in (False, True):
@@ -245,7 +199,7 @@ def weights(args) -> dict:
     return metrics
 
 
-def _rate(server: _Server, path: str, bodies: List[dict], concurrency: int) -> float:
+def _rate(server, path: str, bodies: List[dict], concurrency: int) -> float:
     """Output tokens/s of ``bodies`` posted to ``path``, ``concurrency`` at a time."""
     queue, lock, tokens, errors = list(bodies), threading.Lock(), [], []
 
@@ -256,7 +210,7 @@ def _rate(server: _Server, path: str, bodies: List[dict], concurrency: int) -> f
                     return
                 body = queue.pop()
             try:
-                answer = server.post(path, body)
+                answer = post_json(server.address, path, body)
             except Exception as exc:  # reported below
                 errors.append(exc)
                 return
@@ -303,9 +257,9 @@ def generate_endpoints(args) -> dict:
         f"generate: {args.requests} token-id requests of {args.max_tokens} tokens ({args.serve_shape} shape), "
         f"{args.concurrency} clients, /generate vs /v1/completions (alternating, best of {args.repeats})"
     )
-    server = _Server(path, args.backend, ["--max-batch-size", str(max(args.concurrency, 1))])
+    server = _server(path, args.backend, max(args.concurrency, 1))
     try:
-        server.post("/generate", dict(native[0], sampling_params={"max_new_tokens": 2}))  # warm-up
+        post_json(server.address, "/generate", dict(native[0], sampling_params={"max_new_tokens": 2}))  # warm-up
         rates = {"/generate": [], "/v1/completions": []}
         for _ in range(args.repeats):
             rates["/generate"].append(_rate(server, "/generate", native, args.concurrency))

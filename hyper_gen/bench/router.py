@@ -17,11 +17,8 @@ router's overhead per request). Needs the ``router`` extra (``pip install 'hyper
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib.util
-import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -32,28 +29,9 @@ from typing import List
 import numpy as np
 
 from .arguments import add_command, backend_list, non_negative, positive
-from .serve import _ServerProcess, host_line
+from .serve import _ServerProcess, free_port, host_line, post_json
 
 POLICIES = ("cache_aware", "round_robin")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(address, path: str, body: dict, timeout: float = 600) -> dict:
-    conn = http.client.HTTPConnection(*address, timeout=timeout)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        data = response.read()
-        if response.status != 200:
-            raise RuntimeError(f"POST {path}: HTTP {response.status}: {data[:300]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
 
 
 def _metric(address, name: str) -> float:
@@ -67,11 +45,11 @@ class _Router:
     """sglang-router in front of ``workers`` with ``policy``; ``address`` once it routes a request."""
 
     def __init__(self, workers, policy: str, timeout_s: float = 120):
-        self.port = _free_port()
+        self.port = free_port()
         self.address = ("127.0.0.1", self.port)
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--worker-urls", *[f"http://{w.address[0]}:{w.address[1]}" for w in workers]]
-        cmd += ["--policy", policy, "--log-level", "warn", "--prometheus-port", str(_free_port())]
+        cmd += ["--policy", policy, "--log-level", "warn", "--prometheus-port", str(free_port())]
         cmd += ["--prometheus-host", "127.0.0.1"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout_s
@@ -79,7 +57,7 @@ class _Router:
             if self.proc.poll() is not None:
                 raise SystemExit("hyper-gen bench router: sglang-router stopped:\n" + self.proc.stderr.read())
             try:
-                _post(self.address, "/v1/completions", {"model": "bench", "prompt": "rev 1 =", "max_tokens": 1})
+                post_json(self.address, "/v1/completions", {"model": "bench", "prompt": "rev 1 =", "max_tokens": 1})
                 return
             except (OSError, RuntimeError):
                 time.sleep(0.5)
@@ -114,7 +92,7 @@ def _run(address, prompts: List[str], samples: int, max_tokens: int, concurrency
                 prompt, sample = queue.pop(0)
             body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "seed": sample}
             try:
-                out = _post(address, "/v1/completions", body)
+                out = post_json(address, "/v1/completions", body)
             except Exception as exc:  # reported below
                 errors.append(exc)
                 return
@@ -134,7 +112,7 @@ def _run(address, prompts: List[str], samples: int, max_tokens: int, concurrency
 
 def _policy_row(workers, policy: str, args) -> str:
     for worker in workers:  # every run starts from empty prefix caches
-        _post(worker.address, "/flush_cache", {})
+        post_json(worker.address, "/flush_cache", {})
     router = _Router(workers, policy)
     try:
         names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
@@ -153,10 +131,10 @@ def _policy_row(workers, policy: str, args) -> str:
 def _latency(address, requests: int) -> float:
     """Mean seconds of a one-token greedy completion, one request at a time."""
     body = {"model": "bench", "prompt": "rev 12345 =", "max_tokens": 1, "temperature": 0}
-    _post(address, "/v1/completions", body)
+    post_json(address, "/v1/completions", body)
     start = time.perf_counter()
     for _ in range(requests):
-        _post(address, "/v1/completions", body)
+        post_json(address, "/v1/completions", body)
     return (time.perf_counter() - start) / requests
 
 

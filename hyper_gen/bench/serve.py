@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -52,6 +53,27 @@ def host_line() -> str:
 def _prompts(count: int, seed: int = 0) -> List[str]:
     rng = np.random.default_rng(seed)
     return [prompt_for("".join(rng.choice(list("0123456789"), int(rng.integers(2, 9))))) for _ in range(count)]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a group's rendezvous, a router)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post_json(address, path: str, body: dict, timeout: float = 600) -> dict:
+    """POST ``body`` to ``path`` on ``address`` (host, port): the answer's JSON; a RuntimeError unless 200."""
+    conn = http.client.HTTPConnection(*address, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {response.status}: {data[:300]!r}")
+        return json.loads(data or b"null")
+    finally:
+        conn.close()
 
 
 class _ServerProcess:
