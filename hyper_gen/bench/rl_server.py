@@ -36,7 +36,7 @@ import numpy as np
 from hyper_gen.host import describe_host
 
 from .models import SHAPES, make_checkpoint
-from .serve import _ServerProcess, free_port, post_json
+from .serve import _ServerProcess, free_port, post_json, run_clients
 
 PARTS = ("weights", "generate")
 
@@ -201,36 +201,13 @@ def weights(args) -> dict:
 
 def _rate(server, path: str, bodies: List[dict], concurrency: int) -> float:
     """Output tokens/s of ``bodies`` posted to ``path``, ``concurrency`` at a time."""
-    queue, lock, tokens, errors = list(bodies), threading.Lock(), [], []
 
-    def client():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                body = queue.pop()
-            try:
-                answer = post_json(server.address, path, body)
-            except Exception as exc:  # reported below
-                errors.append(exc)
-                return
-            count = (
-                answer["meta_info"]["completion_tokens"]
-                if path == "/generate"
-                else answer["usage"]["completion_tokens"]
-            )
-            with lock:
-                tokens.append(count)
+    def send(body):
+        answer = post_json(server.address, path, body)
+        return answer["meta_info"]["completion_tokens"] if path == "/generate" else answer["usage"]["completion_tokens"]
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return sum(tokens) / (time.perf_counter() - start)
+    wall, counts = run_clients(bodies, send, concurrency)
+    return sum(counts) / wall
 
 
 def generate_endpoints(args) -> dict:

@@ -21,7 +21,6 @@ import importlib.util
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from typing import List
@@ -29,7 +28,7 @@ from typing import List
 import numpy as np
 
 from .arguments import add_command, backend_list, non_negative, positive
-from .serve import _ServerProcess, free_port, host_line, post_json
+from .serve import _ServerProcess, free_port, host_line, post_json, run_clients
 
 POLICIES = ("cache_aware", "round_robin")
 
@@ -81,33 +80,14 @@ def _group_prompts(groups: int, prompt_len: int, seed: int = 0) -> List[str]:
 
 def _run(address, prompts: List[str], samples: int, max_tokens: int, concurrency: int):
     """(seconds, completion tokens) of every (prompt, sample) request sent by ``concurrency`` clients."""
-    queue = [(p, s) for p in prompts for s in range(samples)]
-    lock, tokens, errors = threading.Lock(), [0], []
 
-    def client():
-        while True:
-            with lock:
-                if not queue or errors:
-                    return
-                prompt, sample = queue.pop(0)
-            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "seed": sample}
-            try:
-                out = post_json(address, "/v1/completions", body)
-            except Exception as exc:  # reported below
-                errors.append(exc)
-                return
-            with lock:
-                tokens[0] += out["usage"]["completion_tokens"]
+    def send(item):
+        prompt, sample = item
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "seed": sample}
+        return post_json(address, "/v1/completions", body)["usage"]["completion_tokens"]
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - start, tokens[0]
+    wall, counts = run_clients([(p, s) for p in prompts for s in range(samples)], send, concurrency)
+    return wall, sum(counts)
 
 
 def _policy_row(workers, policy: str, args) -> str:

@@ -144,26 +144,26 @@ def _stream_one(address, prompt: str, max_tokens: int):
     return first if first is not None else time.perf_counter() - start, time.perf_counter() - start, tokens
 
 
-def _against_server(address, prompts, max_tokens: int, concurrency: int):
-    """(tokens/s, TTFTs) of ``prompts`` sent by ``concurrency`` clients, each one at a time."""
-    results, lock, errors = [], threading.Lock(), []
-    queue = list(enumerate(prompts))
+def run_clients(items, call, concurrency: int):
+    """``call(item)`` for every item, by ``concurrency`` client threads each taking the next item when
+    its last answer is in: (wall seconds, the results in the order they came). The first error stops
+    the clients and is raised once they have."""
+    queue, results, errors, lock = list(items), [], [], threading.Lock()
 
     def client():
         while True:
             with lock:
-                if not queue:
+                if not queue or errors:
                     return
-                _, prompt = queue.pop(0)
+                item = queue.pop(0)
             try:
-                got = _stream_one(address, prompt, max_tokens)
-            except Exception as exc:  # reported below
+                got = call(item)
+            except Exception as exc:  # raised below, once every client has stopped
                 errors.append(exc)
                 return
             with lock:
                 results.append(got)
 
-    _stream_one(address, prompts[0], 2)  # warm-up
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
@@ -173,6 +173,13 @@ def _against_server(address, prompts, max_tokens: int, concurrency: int):
     wall = time.perf_counter() - start
     if errors:
         raise errors[0]
+    return wall, results
+
+
+def _against_server(address, prompts, max_tokens: int, concurrency: int):
+    """(tokens/s, TTFTs) of ``prompts`` sent by ``concurrency`` clients, each one at a time."""
+    _stream_one(address, prompts[0], 2)  # warm-up
+    wall, results = run_clients(prompts, lambda prompt: _stream_one(address, prompt, max_tokens), concurrency)
     return sum(r[2] for r in results) / wall, [r[0] for r in results]
 
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 from . import structured, texts
 from .errors import APIError, bad_value, shutting_down
-from .params import check_sizes, sampling_params
-from .prompts import chat_prompt, chat_text
+from .params import sampling_params
+from .prompts import checked_chat
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -38,13 +38,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, http_request):
-    state.check_model(request.model)
-    check_sizes(request)
-    for param in ("max_completion_tokens", "max_tokens"):
-        state.check_max_tokens(getattr(request, param), param)
-    text = chat_text(request, state.tokenizer)
-    ids = chat_prompt(request, state.tokenizer, state.vocab_size, state.max_model_len, text=text)
-    max_tokens = request.max_completion_tokens or request.max_tokens or state.default_max_tokens([ids])
+    text, ids, max_tokens = checked_chat(state, request)
     outputs, parsers = _constraints(state, request, text)
     params = sampling_params(request, max_tokens, structured_outputs=outputs)
     requests = state.submit([ids], params, "messages")

@@ -15,8 +15,8 @@ import time
 from . import echo, structured, texts
 from .errors import APIError, shutting_down
 from .logprobs import merge_completion
-from .params import check_sizes, sampling_params
-from .prompts import completion_prompts
+from .params import sampling_params
+from .prompts import checked_completion
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from .state import ServerState, collected_chunks, new_id
 from .streams import DONE, EventStream, ServerClosing, sse
@@ -29,11 +29,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 
 
 async def create_completion(state: ServerState, request: CompletionRequest, http_request):
-    state.check_model(request.model)
-    check_sizes(request)
-    state.check_max_tokens(request.max_tokens, "max_tokens")
-    prompts = completion_prompts(request, state.tokenizer, state.vocab_size, state.max_model_len)
-    max_tokens = request.max_tokens if request.max_tokens is not None else state.default_max_tokens(prompts)
+    prompts, max_tokens = checked_completion(state, request)
     max_tokens = max_tokens or 1  # max_tokens: 0 (echo only): the engine draws one token, left out (echo.py)
     spec = structured.requested(request)
     outputs = structured.build(state, *spec) if spec else None

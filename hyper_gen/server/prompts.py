@@ -11,6 +11,7 @@ import json
 from typing import List
 
 from .errors import bad_value
+from .params import check_sizes
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -118,3 +119,26 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, vocab_size=None, max_
     """``chat_text``'s token ids (``text``: it, already rendered)."""
     text = chat_text(request, tokenizer) if text is None else text
     return _check_ids(_encode(tokenizer, text, "messages", False), vocab_size, "messages", max_model_len)
+
+
+def checked_completion(state, request: CompletionRequest):
+    """A completion request's checks before any work (model, sizes, ``max_tokens``) and its prompts:
+    ``(prompts as token ids, max_tokens)``, ``max_tokens`` defaulting to what the context leaves. The
+    generating endpoint and its render (``render.py``) share them, so both refuse alike."""
+    state.check_model(request.model)
+    check_sizes(request)
+    state.check_max_tokens(request.max_tokens, "max_tokens")
+    prompts = completion_prompts(request, state.tokenizer, state.vocab_size, state.max_model_len)
+    max_tokens = request.max_tokens if request.max_tokens is not None else state.default_max_tokens(prompts)
+    return prompts, max_tokens
+
+
+def checked_chat(state, request: ChatCompletionRequest):
+    """A chat request's checks and its prompt: ``(the template's text, its token ids, max_tokens)``."""
+    state.check_model(request.model)
+    check_sizes(request)
+    for param in ("max_completion_tokens", "max_tokens"):
+        state.check_max_tokens(getattr(request, param), param)
+    text = chat_text(request, state.tokenizer)
+    ids = chat_prompt(request, state.tokenizer, state.vocab_size, state.max_model_len, text=text)
+    return text, ids, request.max_completion_tokens or request.max_tokens or state.default_max_tokens([ids])

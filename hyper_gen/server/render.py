@@ -11,8 +11,8 @@ generating endpoint checks it (a 400 names the field); nothing is generated.
 
 from __future__ import annotations
 
-from .params import check_sizes, sampling_params
-from .prompts import chat_prompt, chat_text, completion_prompts
+from .params import sampling_params
+from .prompts import checked_chat, checked_completion
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import ServerState, new_id
 
@@ -37,21 +37,11 @@ def _generate_request(state: ServerState, request, ids, prefix: str, params: dic
 
 
 def completions(state: ServerState, request: CompletionRequest) -> list:
-    state.check_model(request.model)
-    check_sizes(request)
-    state.check_max_tokens(request.max_tokens, "max_tokens")
-    prompts = completion_prompts(request, state.tokenizer, state.vocab_size, state.max_model_len)
-    max_tokens = request.max_tokens if request.max_tokens is not None else state.default_max_tokens(prompts)
+    prompts, max_tokens = checked_completion(state, request)
     params = _params(request, max_tokens)
     return [_generate_request(state, request, ids, "cmpl", params) for ids in prompts]
 
 
 def chat(state: ServerState, request: ChatCompletionRequest) -> dict:
-    state.check_model(request.model)
-    check_sizes(request)
-    for param in ("max_completion_tokens", "max_tokens"):
-        state.check_max_tokens(getattr(request, param), param)
-    text = chat_text(request, state.tokenizer)
-    ids = chat_prompt(request, state.tokenizer, state.vocab_size, state.max_model_len, text=text)
-    max_tokens = request.max_completion_tokens or request.max_tokens or state.default_max_tokens([ids])
+    _, ids, max_tokens = checked_chat(state, request)
     return _generate_request(state, request, ids, "chatcmpl", _params(request, max_tokens))
