@@ -293,7 +293,7 @@ def test_unknown_routes_methods_and_handler_failures_are_openai_errors(server, m
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in a handler")
 
-    monkeypatch.setattr(completions, "completion_prompts", broken)
+    monkeypatch.setattr(completions, "checked_completion", broken)
     error = error_of(*request(server, "POST", "/v1/completions", '{"prompt": "rev 1 ="}'), 500)
     assert "a bug in a handler" in error["message"] and error["type"] == "internal_server_error"
 

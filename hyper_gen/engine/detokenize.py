@@ -61,22 +61,23 @@ def _cleans(tokenizer) -> bool:
     )
 
 
-def fast_decoder(tokenizer, clean_up: bool = True):
-    """``ids -> text`` equal to ``tokenizer.decode(ids, skip_special_tokens=True)``: an HF fast
+def fast_decoder(tokenizer, clean_up: bool = True, skip_special_tokens: bool = True):
+    """``ids -> text`` equal to ``tokenizer.decode(ids, skip_special_tokens=...)``: an HF fast
     tokenizer's Rust backend called directly (plus the same clean-up HF applies), since the Python
     wrapper's argument conversion costs more than the decode itself at one call per token.
     ``clean_up=False`` leaves the clean-up out (``IncrementalText`` streams it itself)."""
     if tokenizer is None:
         return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    skip = skip_special_tokens
     if backend is None or not callable(getattr(backend, "decode", None)):
         if not clean_up and _cleans(tokenizer):
-            return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
     if clean_up and _cleans(tokenizer):
         clean = tokenizer.clean_up_tokenization
-        return lambda ids: clean(backend.decode(ids, skip_special_tokens=True))
-    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+        return lambda ids: clean(backend.decode(ids, skip_special_tokens=skip))
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip)
 
 
 _SKIPPED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -126,15 +127,16 @@ class _Replace:
 class IncrementalText:
     """One choice's text as its ids arrive (see the module docstring). ``decode`` is ``ids -> text``
     as ``tokenizer.decode(ids, skip_special_tokens=True)`` without the clean-up of tokenization
-    spaces, which runs on the stream here when the tokenizer asks for it."""
+    spaces, which runs on the stream here when the tokenizer asks for it. ``skip_special_tokens=False``:
+    special tokens keep their text (SGLang's option; the server's ``texts.py``)."""
 
-    def __init__(self, tokenizer, stops: List[str], decode=None):
+    def __init__(self, tokenizer, stops: List[str], decode=None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.decode = decode or fast_decoder(tokenizer, clean_up=False)
+        self.decode = decode or fast_decoder(tokenizer, clean_up=False, skip_special_tokens=skip_special_tokens)
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.emitted = 0  # characters of the text handed out so far
-        self._skip = _skipped_ids(tokenizer) if tokenizer is not None else frozenset()
+        self._skip = _skipped_ids(tokenizer) if tokenizer is not None and skip_special_tokens else frozenset()
         self._clean = [_Replace(old, new) for old, new in CLEAN_UP_RULES] if _cleans(tokenizer) else []
         self._seen = 0  # ids of the choice looked at
         self._window: List[int] = []  # the context's ids, then the unread ones (skipped ids left out)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Iterable, List, Sequence
 
+from hyper_gen.engine.detokenize import IncrementalText
+
 
 def wanted(skip_special_tokens: bool, no_stop_trim: bool) -> bool:
     """Whether a choice's text must be decoded here rather than taken from the engine."""
@@ -19,36 +21,23 @@ def wanted(skip_special_tokens: bool, no_stop_trim: bool) -> bool:
 
 
 class ChoiceText:
-    """One choice's text from its token ids; ``add`` returns the text new since the last call."""
+    """One choice's text from its token ids, through the engine's ``IncrementalText`` (a bounded window
+    per token, stop strings held back); ``add`` returns the text new since the last call."""
 
     def __init__(self, tokenizer, params, eos_ids: Iterable[int], skip_special_tokens: bool, no_stop_trim: bool):
-        self.tokenizer, self.params = tokenizer, params
-        self.skip, self.keep_stop = skip_special_tokens, no_stop_trim
+        self.keep_stop = no_stop_trim
         self.stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_ids))
-        self.stops: List[str] = [] if no_stop_trim else list(params.stop_strings)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1  # a stop string may still be completing
+        stops = [] if no_stop_trim else list(params.stop_strings)
+        self.text = IncrementalText(tokenizer, stops, skip_special_tokens=skip_special_tokens)
         self.ids: List[int] = []
-        self.shown = ""
-
-    def text(self, finished: bool, reason) -> str:
-        """The whole text of the ids so far (``finished``: the choice ended, for ``reason``)."""
-        ids = self.ids
-        if finished and reason == "stop" and ids and ids[-1] in self.stop_ids and not self.keep_stop:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip)
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return text[: min(found)] if found else text
 
     def add(self, token_ids: Sequence[int], finished: bool, reason=None) -> str:
         self.ids += [int(t) for t in token_ids]
-        whole = self.text(finished, reason)
-        if not finished:  # an unfinished character or stop string waits for the next ids
-            whole = whole.rstrip("\ufffd")
-            whole = whole[: max(len(self.shown), len(whole) - self.hold)]
-        if not whole.startswith(self.shown):  # decoding more ids rewrote what was handed out: keep it
-            return ""
-        new, self.shown = whole[len(self.shown) :], whole
-        return new
+        ids = self.ids
+        if finished and reason == "stop" and ids and ids[-1] in self.stop_ids and not self.keep_stop:
+            ids = ids[:-1]  # the token that ended the choice is no part of its text
+        new, _ = self.text.update(ids)
+        return new + self.text.finish() if finished else new
 
 
 def texter(state, params, skip_special_tokens: bool, no_stop_trim: bool):
