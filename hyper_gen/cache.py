@@ -109,11 +109,12 @@ class _ModelCache:
         if self.seq_length > self.max_length:
             raise ValueError(f"cache overflow: {self.seq_length} positions > max_length {self.max_length}")
 
-    def attend(self, query, key, value, mask, layer_idx: int, dense, partial):
+    def attend(self, query, key, value, mask, layer_idx: int, dense, partial, scale=None):
         """Attention of a step's ``query`` over this cache after writing the step's ``key`` /
         ``value``: ``dense(query, keys, values, mask)`` over what ``update`` returns. A cache that
         reads its K/V in pieces (the engine's paged pool) merges ``partial``'s (output, log-sum-exp)
-        per piece instead; a port calls this rather than ``update`` so either can serve it."""
+        per piece instead, or (given the port's softmax ``scale``) attends in place with the
+        backend's paged kernel; a port calls this rather than ``update`` so any of them can serve it."""
         keys, values = self.update(key, value, layer_idx)
         return dense(query, keys, values, mask)
 

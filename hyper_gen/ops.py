@@ -75,6 +75,13 @@ class Ops(Protocol):
 
     def paged_attention(self, query: Tensor, pool_k: Tensor, pool_v: Tensor, pieces: list, partial) -> Tensor: ...
 
+    # a decode step's attention read from the pool in place: (B, H, 1, D) queries over the (B, T)
+    # slots each row attends (-1: none), with the port's softmax scale; only where the backend has
+    # the kernel (``paged_decode_kernel``)
+    paged_decode_kernel: bool
+
+    def paged_decode(self, query: Tensor, pool_k: Tensor, pool_v: Tensor, slots: Tensor, scale: float) -> Tensor: ...
+
     # execution
     def no_grad(self) -> ContextManager: ...
     # hand memory freed by dropped tensors back to the device (a caching allocator keeps it otherwise)

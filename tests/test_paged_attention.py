@@ -43,25 +43,38 @@ def _logprob_gap(got, want):
     return max(abs(a - b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("decode", ["pieces", "in_place"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_engine_reads_the_pool_in_pieces_with_generates_numbers(tmp_path, kind, one_torch_thread):
+def test_engine_reads_the_pool_in_pieces_with_generates_numbers(tmp_path, kind, decode, one_torch_thread):
+    """Prefill chunks always attend in pieces; decode steps in pieces too, or (the C++ kernel, where
+    it is built: always on torch CPU here) read the pool in place, never through a piece."""
     model = load_model(make_checkpoint(tmp_path, kind, "float32"), backend="torch", dtype="float64")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(8, VOCAB, n).tolist() for n in (150, 4, 61, 17, 230)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
     engine = Engine(model, block_size=16, max_num_batched_tokens=48, enable_prefix_caching=False)
-    assert engine._runner.paged_columns  # torch attends piece by piece
-    engine._runner.paged_columns = 16
-    calls, whole = [], []
-    attend = engine._runner.ops.paged_attention
-    engine._runner.ops.paged_attention = lambda q, k, v, pieces, partial: (
+    runner = engine._runner
+    assert runner.paged_columns and runner.paged_decode  # torch attends piece by piece / in place
+    runner.paged_columns = 16
+    runner.paged_decode = decode == "in_place"
+    calls, whole, in_place = [], [], []
+    attend, decode_kernel = runner.ops.paged_attention, runner.ops.paged_decode
+    runner.ops.paged_attention = lambda q, k, v, pieces, partial: (
         (calls.append((q.shape[2], len(pieces))) or whole.extend(p.blocks is not None for p in pieces))
         or attend(q, k, v, pieces, partial)
     )
+    runner.ops.paged_decode = lambda q, k, v, slots, scale: (
+        in_place.append(tuple(slots.shape)) or decode_kernel(q, k, v, slots, scale)
+    )
     with engine:
         outs = [s.result(timeout=300) for s in [engine.submit(p, params) for p in prompts]]
-    assert any(s == 1 and n > 2 for s, n in calls) and any(s > 1 and n > 2 for s, n in calls), calls
-    assert any(whole) and not all(whole)  # pieces of whole blocks, and of slots (rows of other lengths)
+    assert any(s > 1 and n > 2 for s, n in calls), calls
+    if decode == "pieces":
+        assert any(s == 1 and n > 2 for s, n in calls) and not in_place, calls
+        assert any(whole) and not all(whole)  # pieces of whole blocks, and of slots (rows of other lengths)
+    else:
+        assert not any(s == 1 for s, _ in calls) and in_place, calls
+        assert any(rows > 1 and width > 200 for rows, width in in_place), in_place
     for prompt, out in zip(prompts, outs):
         ref = generate(
             model, [prompt], max_new_tokens=10, eos_token_id=None, output_logprobs=True,

@@ -294,6 +294,9 @@ class PagedCache(_ModelCache):
         self.keys: Dict[int, Any] = {}  # (the contract's attribute; a paged cache keeps K/V in the pool)
         self.values: Dict[int, Any] = {}
         self.pieces: Optional[List[Piece]] = None  # set: ``attend`` reads the pool piece by piece
+        # set (a decode step's (B, T) slots, -1 where a row attends nothing): ``attend`` reads the
+        # pool in place with the backend's paged kernel when the port gives its softmax scale
+        self.decode_slots = None
 
     def update(self, key, value, layer_idx: int):
         ops, store = self.ops, self.store
@@ -301,13 +304,20 @@ class PagedCache(_ModelCache):
         ops.write_slots(store.values[layer_idx], self.write, value)
         return ops.gather_slots(store.keys[layer_idx], self.read), ops.gather_slots(store.values[layer_idx], self.read)
 
-    def attend(self, query, key, value, mask, layer_idx: int, dense, partial):
-        if self.pieces is None:
+    def attend(self, query, key, value, mask, layer_idx: int, dense, partial, scale=None):
+        in_place = self.decode_slots is not None and scale is not None
+        if self.pieces is None and not in_place:
             return super().attend(query, key, value, mask, layer_idx, dense, partial)
         ops, store = self.ops, self.store
         ops.write_slots(store.keys[layer_idx], self.write, key)
         ops.write_slots(store.values[layer_idx], self.write, value)
-        return ops.paged_attention(query, store.keys[layer_idx], store.values[layer_idx], self.pieces, partial)
+        pool_k, pool_v = store.keys[layer_idx], store.values[layer_idx]
+        if in_place:
+            return ops.paged_decode(query, pool_k, pool_v, self.decode_slots, scale)
+        if self.pieces is None:  # a port without a scale: the gathered dense path
+            keys, values = ops.gather_slots(pool_k, self.read), ops.gather_slots(pool_v, self.read)
+            return dense(query, keys, values, mask)
+        return ops.paged_attention(query, pool_k, pool_v, self.pieces, partial)
 
     def attended_length(self) -> int:
         return self.read.shape[1]

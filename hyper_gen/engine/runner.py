@@ -125,6 +125,9 @@ class ModelRunner:
         # (``Ops.paged_attention``); a backend that attends over gathered K/V instead (None) splits
         # a decode of very different lengths by ``split_padding`` (``length_groups``)
         self.paged_columns: Optional[int] = getattr(ops, "paged_columns", None)
+        # a decode past one piece reads the pool in place instead, where the backend has the
+        # kernel (``Ops.paged_decode``; asking builds it once per host, before the first step)
+        self.paged_decode: bool = bool(self.paged_columns) and ops.paged_decode_kernel
         self.split_padding = SPLIT_PADDING
         self.boundary_states: Dict[Any, int] = {}  # key -> its state slot, at the last step's boundary
 
@@ -275,7 +278,11 @@ class ModelRunner:
         cache = PagedCache(self.store, rows.write, rows.read, rows.width, rows.conv, rows.recurrent)
         columns = self.paged_columns
         if columns and rows.read.shape[1] > columns:
-            cache.pieces = attention_pieces(self.ops, rows.read, mask, columns, self.dtype, self.store.block_size)
+            if self.paged_decode and rows.ids.shape[1] == 1:
+                attended = np.where(mask[:, 0, 0, :] == 0, rows.read, -1)
+                cache.decode_slots = self.ops.asarray(attended, "int64")
+            else:
+                cache.pieces = attention_pieces(self.ops, rows.read, mask, columns, self.dtype, self.store.block_size)
         if rows.width == 0 and not rows.new_valid.all():
             cache.prompt_mask = self.ops.asarray(rows.new_valid.astype(np.int64), self.dtype)
         return cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 import torch
@@ -11,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_gen.parallel import hyperparallel
 
-from . import launch
+from . import launch, paged_kernel
 
 _DTYPES = {
     "float16": torch.float16,
@@ -177,6 +178,15 @@ class TorchOps:
             lses.append(lse)
         weights = torch.softmax(torch.stack(lses), dim=0)
         return (torch.stack(outs) * weights).sum(0).to(query.dtype)
+
+    @functools.cached_property
+    def paged_decode_kernel(self) -> bool:
+        """Whether ``paged_decode`` runs here: the C++ kernel, on CPU, built (``paged_kernel``)."""
+        return self.device.type == "cpu" and paged_kernel.available()
+
+    def paged_decode(self, query, pool_k, pool_v, slots, scale):
+        """One decode token a row over the pool slots ``slots`` (B, T) names, read in place."""
+        return paged_kernel.paged_decode(query, pool_k, pool_v, slots, scale)
 
     def no_grad(self):
         return torch.no_grad()

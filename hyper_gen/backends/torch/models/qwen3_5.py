@@ -108,7 +108,9 @@ class GatedAttention(nn.Module):
             out = self._attend_context_parallel(query, key, value, attention_mask, cache, cp_step)
         else:
             if cache is not None:
-                out = cache.attend(query, key, value, attention_mask, self.layer_idx, self._attend, self._attend_lse)
+                out = cache.attend(
+                    query, key, value, attention_mask, self.layer_idx, self._attend, self._attend_lse, self.scale
+                )
             else:
                 out = self._attend(query, key, value, attention_mask)
         return out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
