@@ -75,12 +75,14 @@ class Ops(Protocol):
 
     def paged_attention(self, query: Tensor, pool_k: Tensor, pool_v: Tensor, pieces: list, partial) -> Tensor: ...
 
-    # a decode step's attention read from the pool in place: (B, H, 1, D) queries over the (B, T)
-    # slots each row attends (-1: none), with the port's softmax scale; only where the backend has
-    # the kernel (``paged_decode_kernel``)
-    paged_decode_kernel: bool
+    # attention read from the pool in place: (B, H, S, D) queries over the (B, T) slots each row
+    # attends in order, query s the first (B, S) lengths of them, with the port's softmax scale;
+    # only where the backend has the kernel (``in_place_attention_kernel``)
+    in_place_attention_kernel: bool
 
-    def paged_decode(self, query: Tensor, pool_k: Tensor, pool_v: Tensor, slots: Tensor, scale: float) -> Tensor: ...
+    def in_place_attention(
+        self, query: Tensor, pool_k: Tensor, pool_v: Tensor, slots: Tensor, lengths: Tensor, scale: float
+    ) -> Tensor: ...
 
     # execution
     def no_grad(self) -> ContextManager: ...

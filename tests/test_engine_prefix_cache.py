@@ -217,7 +217,7 @@ def test_one_long_row_among_short_ones_decodes_apart_with_the_same_tokens(root, 
         pieces = []  # each decode forward's pieces: the rows of each
         if run.paged_columns:
             run.paged_columns = 64
-            run.paged_decode = False  # the pieces (the in-place kernel reads only each row's own slots)
+            run.in_place = False  # the pieces (the in-place kernel reads only each row's own slots)
             attend = run.ops.paged_attention
             run.ops.paged_attention = lambda q, k, v, parts, partial: (
                 (pieces.append([p.shape[0] for p in parts]) if q.shape[2] == 1 else None)

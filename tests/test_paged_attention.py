@@ -43,38 +43,39 @@ def _logprob_gap(got, want):
     return max(abs(a - b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("decode", ["pieces", "in_place"])
+@pytest.mark.parametrize("path", ["pieces", "in_place"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_engine_reads_the_pool_in_pieces_with_generates_numbers(tmp_path, kind, decode, one_torch_thread):
-    """Prefill chunks always attend in pieces; decode steps in pieces too, or (the C++ kernel, where
-    it is built: always on torch CPU here) read the pool in place, never through a piece."""
+def test_engine_reads_the_pool_in_pieces_with_generates_numbers(tmp_path, kind, path, one_torch_thread):
+    """Steps past one piece attend in pieces, or (the C++ kernel, where it is built: always on torch
+    CPU here) read the pool in place, decode rows and prefill chunks alike, never through a piece."""
     model = load_model(make_checkpoint(tmp_path, kind, "float32"), backend="torch", dtype="float64")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(8, VOCAB, n).tolist() for n in (150, 4, 61, 17, 230)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
     engine = Engine(model, block_size=16, max_num_batched_tokens=48, enable_prefix_caching=False)
     runner = engine._runner
-    assert runner.paged_columns and runner.paged_decode  # torch attends piece by piece / in place
+    assert runner.paged_columns and runner.in_place  # torch attends piece by piece / in place
     runner.paged_columns = 16
-    runner.paged_decode = decode == "in_place"
+    runner.in_place = path == "in_place"
     calls, whole, in_place = [], [], []
-    attend, decode_kernel = runner.ops.paged_attention, runner.ops.paged_decode
+    attend, kernel = runner.ops.paged_attention, runner.ops.in_place_attention
     runner.ops.paged_attention = lambda q, k, v, pieces, partial: (
         (calls.append((q.shape[2], len(pieces))) or whole.extend(p.blocks is not None for p in pieces))
         or attend(q, k, v, pieces, partial)
     )
-    runner.ops.paged_decode = lambda q, k, v, slots, scale: (
-        in_place.append(tuple(slots.shape)) or decode_kernel(q, k, v, slots, scale)
+    runner.ops.in_place_attention = lambda q, k, v, slots, lengths, scale: (
+        in_place.append((q.shape[2], tuple(slots.shape))) or kernel(q, k, v, slots, lengths, scale)
     )
     with engine:
         outs = [s.result(timeout=300) for s in [engine.submit(p, params) for p in prompts]]
-    assert any(s > 1 and n > 2 for s, n in calls), calls
-    if decode == "pieces":
-        assert any(s == 1 and n > 2 for s, n in calls) and not in_place, calls
+    if path == "pieces":
+        assert any(s == 1 and n > 2 for s, n in calls) and any(s > 1 and n > 2 for s, n in calls), calls
         assert any(whole) and not all(whole)  # pieces of whole blocks, and of slots (rows of other lengths)
+        assert not in_place
     else:
-        assert not any(s == 1 for s, _ in calls) and in_place, calls
-        assert any(rows > 1 and width > 200 for rows, width in in_place), in_place
+        assert not calls, calls
+        assert any(s == 1 and rows > 1 and width > 200 for s, (rows, width) in in_place), in_place
+        assert any(s > 1 for s, _ in in_place), in_place  # prefill chunks after a past
     for prompt, out in zip(prompts, outs):
         ref = generate(
             model, [prompt], max_new_tokens=10, eos_token_id=None, output_logprobs=True,
@@ -103,3 +104,21 @@ def test_a_piece_of_whole_blocks_names_them():
     stray[0, 9] = 7 * 4 + 1  # a column in another block
     assert _whole_blocks(stray, seen, 0, 4) is None
     assert _whole_blocks(slots[:, 2:], seen[:, 2:], 2, 4) is None  # a piece that starts inside a block
+
+
+def test_in_place_columns_are_each_rows_attended_slots_in_order():
+    """A chunk of 3 after a past: row 0's 4 past slots, row 1's 2 (then padding to the widest past),
+    then each row's own 3 columns, causal; query s attends the past and its own first s + 1."""
+    from hyper_gen.engine.kv_store import NULL_SLOT, in_place_columns
+
+    read = np.array([[10, 11, 12, 13, 20, 21, 22], [30, 31, 0, 0, 40, 41, 42]])
+    mask = np.full((2, 1, 3, 7), -1e30)
+    for row, past in ((0, 4), (1, 2)):
+        mask[row, 0, :, :past] = 0
+        for s in range(3):
+            mask[row, 0, s, 4 : 5 + s] = 0
+    slots, lengths = in_place_columns(read, mask)
+    assert slots.tolist() == [[10, 11, 12, 13, 20, 21, 22], [30, 31, 40, 41, 42, NULL_SLOT, NULL_SLOT]]
+    assert lengths.tolist() == [[5, 6, 7], [3, 4, 5]]
+    mask[1, 0, 1, 0] = -1e30  # a query that skips its row's first column: not what the kernel reads
+    assert in_place_columns(read, mask) is None

@@ -277,6 +277,22 @@ def _whole_blocks(slots: np.ndarray, seen: np.ndarray, start: int, block_size: i
     return np.maximum(top, 0)
 
 
+def in_place_columns(read: np.ndarray, mask: np.ndarray):
+    """What ``Ops.in_place_attention`` reads for attention over ``read`` (B, T) slots with the
+    additive ``mask`` (B, 1, S, T): each row's attended slots in column order (B, T'), padded with
+    the null slot, and how many of them each query attends (B, S); None where some query's columns
+    are not the first of its row's (a mask that is not causal over the row's columns)."""
+    attended = mask[:, 0] == 0  # (B, S, T)
+    union = attended.any(axis=1)
+    lengths = attended.sum(axis=2)
+    rank = np.cumsum(union, axis=1)  # a column's place among its row's attended ones, from 1
+    if not (attended == (union[:, None, :] & (rank[:, None, :] <= lengths[:, :, None]))).all():
+        return None
+    order = np.argsort(~union, axis=1, kind="stable")[:, : max(1, int(union.sum(axis=1).max()))]
+    slots = np.where(np.take_along_axis(union, order, axis=1), np.take_along_axis(read, order, axis=1), NULL_SLOT)
+    return slots, lengths
+
+
 class PagedCache(_ModelCache):
     """The cache object of one paged forward: ``update`` writes the step's K/V into the pool at
     ``write`` (B, S) and returns the K/V of ``read`` (B, W + S): each row's earlier positions
@@ -294,9 +310,9 @@ class PagedCache(_ModelCache):
         self.keys: Dict[int, Any] = {}  # (the contract's attribute; a paged cache keeps K/V in the pool)
         self.values: Dict[int, Any] = {}
         self.pieces: Optional[List[Piece]] = None  # set: ``attend`` reads the pool piece by piece
-        # set (a decode step's (B, T) slots, -1 where a row attends nothing): ``attend`` reads the
-        # pool in place with the backend's paged kernel when the port gives its softmax scale
-        self.decode_slots = None
+        # set ((B, T) slots, (B, S) lengths: ``in_place_columns``): ``attend`` reads the pool in
+        # place with the backend's kernel when the port gives its softmax scale
+        self.in_place = None
 
     def update(self, key, value, layer_idx: int):
         ops, store = self.ops, self.store
@@ -305,7 +321,7 @@ class PagedCache(_ModelCache):
         return ops.gather_slots(store.keys[layer_idx], self.read), ops.gather_slots(store.values[layer_idx], self.read)
 
     def attend(self, query, key, value, mask, layer_idx: int, dense, partial, scale=None):
-        in_place = self.decode_slots is not None and scale is not None
+        in_place = self.in_place is not None and scale is not None
         if self.pieces is None and not in_place:
             return super().attend(query, key, value, mask, layer_idx, dense, partial)
         ops, store = self.ops, self.store
@@ -313,7 +329,7 @@ class PagedCache(_ModelCache):
         ops.write_slots(store.values[layer_idx], self.write, value)
         pool_k, pool_v = store.keys[layer_idx], store.values[layer_idx]
         if in_place:
-            return ops.paged_decode(query, pool_k, pool_v, self.decode_slots, scale)
+            return ops.in_place_attention(query, pool_k, pool_v, *self.in_place, scale)
         if self.pieces is None:  # a port without a scale: the gathered dense path
             keys, values = ops.gather_slots(pool_k, self.read), ops.gather_slots(pool_v, self.read)
             return dense(query, keys, values, mask)
@@ -345,6 +361,7 @@ __all__ = [
     "Piece",
     "NULL_SLOT",
     "attention_pieces",
+    "in_place_columns",
     "state_slots_nbytes",
     "write_past",
     "read_past",

@@ -10,9 +10,11 @@ and the prefill chunks and draws tokens with generate's sampler, each row with i
 settings (``draws.py``).
 
 The forwards go through ``PagedCache`` (``kv_store.py``): the step's K/V are written into the pool,
-and attention reads it through the rows' slots, in pieces of the backend's ``paged_columns``
-(``Ops.paged_attention``: a bounded gather a piece, a row sits out the pieces that hold only its
-padding, so rows of very different lengths share a forward at no padding cost). A backend that
+and attention reads it through the rows' slots: where a step spans more than the backend's
+``paged_columns``, in place with its kernel (``Ops.in_place_attention``: each row's attended slots
+where they lie), else in pieces of that many columns (``Ops.paged_attention``: a bounded gather a
+piece, a row sits out the pieces that hold only its padding, so rows of very different lengths
+share a forward at no padding cost). A backend that
 attends over each row's gathered K/V instead (``paged_columns`` None) splits a decode of very
 different lengths into groups (``length_groups``), since one group gathers every row padded to its
 longest. Fresh prompt chunks share one left-padded forward (the linear layers' ``prompt_mask`` keeps
@@ -42,6 +44,7 @@ from .kv_store import (
     KVStore,
     PagedCache,
     attention_pieces,
+    in_place_columns,
     read_past,
     state_slots_nbytes,
     write_past,
@@ -125,9 +128,9 @@ class ModelRunner:
         # (``Ops.paged_attention``); a backend that attends over gathered K/V instead (None) splits
         # a decode of very different lengths by ``split_padding`` (``length_groups``)
         self.paged_columns: Optional[int] = getattr(ops, "paged_columns", None)
-        # a decode past one piece reads the pool in place instead, where the backend has the
-        # kernel (``Ops.paged_decode``; asking builds it once per host, before the first step)
-        self.paged_decode: bool = bool(self.paged_columns) and ops.paged_decode_kernel
+        # a step past one piece reads the pool in place instead, where the backend has the kernel
+        # (``Ops.in_place_attention``; asking builds it once per host, before the first step)
+        self.in_place: bool = bool(self.paged_columns) and ops.in_place_attention_kernel
         self.split_padding = SPLIT_PADDING
         self.boundary_states: Dict[Any, int] = {}  # key -> its state slot, at the last step's boundary
 
@@ -278,9 +281,9 @@ class ModelRunner:
         cache = PagedCache(self.store, rows.write, rows.read, rows.width, rows.conv, rows.recurrent)
         columns = self.paged_columns
         if columns and rows.read.shape[1] > columns:
-            if self.paged_decode and rows.ids.shape[1] == 1:
-                attended = np.where(mask[:, 0, 0, :] == 0, rows.read, -1)
-                cache.decode_slots = self.ops.asarray(attended, "int64")
+            in_place = in_place_columns(rows.read, mask) if self.in_place else None
+            if in_place is not None:
+                cache.in_place = tuple(self.ops.asarray(array, "int64") for array in in_place)
             else:
                 cache.pieces = attention_pieces(self.ops, rows.read, mask, columns, self.dtype, self.store.block_size)
         if rows.width == 0 and not rows.new_valid.all():

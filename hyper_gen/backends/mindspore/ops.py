@@ -95,7 +95,7 @@ class MindSporeOps:
     # attention over the pool reads gathered K/V (``gather_slots``): a loop of pieces costs
     # kernels, what MindSpore's runtime charges for; Ascend's paged-attention kernel is the way there
     paged_columns = None
-    paged_decode_kernel = False  # no in-place paged kernel on MindSpore's CPU ops
+    in_place_attention_kernel = False  # no in-place paged kernel on MindSpore's CPU ops
 
     def is_tensor(self, x):
         return isinstance(x, ms.Tensor)

@@ -180,13 +180,13 @@ class TorchOps:
         return (torch.stack(outs) * weights).sum(0).to(query.dtype)
 
     @functools.cached_property
-    def paged_decode_kernel(self) -> bool:
-        """Whether ``paged_decode`` runs here: the C++ kernel, on CPU, built (``paged_kernel``)."""
+    def in_place_attention_kernel(self) -> bool:
+        """Whether ``in_place_attention`` runs here: the C++ kernel, on CPU, built (``paged_kernel``)."""
         return self.device.type == "cpu" and paged_kernel.available()
 
-    def paged_decode(self, query, pool_k, pool_v, slots, scale):
-        """One decode token a row over the pool slots ``slots`` (B, T) names, read in place."""
-        return paged_kernel.paged_decode(query, pool_k, pool_v, slots, scale)
+    def in_place_attention(self, query, pool_k, pool_v, slots, lengths, scale):
+        """Attention over the pool slots ``slots`` (B, T) names, read in place (``paged_kernel``)."""
+        return paged_kernel.paged_attention(query, pool_k, pool_v, slots, lengths, scale)
 
     def no_grad(self):
         return torch.no_grad()

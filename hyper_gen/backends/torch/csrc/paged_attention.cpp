@@ -1,11 +1,15 @@
-// Decode attention read in place from the engine's paged K/V pool.
+// Attention read in place from a paged K/V cache.
 //
-// One query token per row attends over the pool slots its row names, in order, without copying
-// them out first (what the plain-ops path must do: gather every row's history into a dense tensor
-// per step). Each (row, kv head) is one task: its G query heads walk the row's attended slots in
-// fixed chunks of CHUNK columns with an online softmax, in the accumulation type (float for float32
-// and bfloat16, double for float64). A task's arithmetic depends only on its own query and the K/V
-// of the slots it names, in their order: never on the other rows, the padding, or the thread count.
+// Each row names its attended slots in order (slot = block * block_size + offset); its query s
+// attends the first lengths[row, s] of them (a causal chunk: its past, then its own positions up to
+// s). Nothing is copied out of the cache first (what the plain-ops path must do: gather every row's
+// history into a dense tensor per step). A task is (row, kv head, a tile of QUERY_TILE query
+// positions): the tile's query heads share each chunk of CHUNK columns as it is read. Each query
+// walks its columns in chunks of CHUNK from its first with an online softmax, in the accumulation
+// type (float for float32 and bfloat16, double for float64), so its arithmetic depends only on its
+// own vector and the K/V it attends, in their order: never on the other rows or queries, the
+// padding, the tile, the thread count, or whether its positions came one at a time (decode) or as
+// one chunk (prefill).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +25,7 @@ namespace {
 
 constexpr int64_t CHUNK = 32;  // columns scored before one softmax rescale
 constexpr int LANES = 16;      // independent partial sums of a dot product (one or two vectors)
+constexpr int64_t QUERY_TILE = 16;  // query positions of a row that share each chunk of K/V read
 
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
@@ -49,95 +54,127 @@ inline A dot(const A* q, const T* k, int64_t d) {
 }
 
 template <typename T>
-void decode_kernel(const at::Tensor& query, const at::Tensor& pool_k, const at::Tensor& pool_v,
-                   const at::Tensor& slots, double scale, at::Tensor& out) {
+void attention_kernel(const at::Tensor& query, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                      const at::Tensor& slots, const at::Tensor& lengths, double scale, at::Tensor& out) {
   using A = typename Acc<T>::type;
-  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(3);
-  const int64_t kv_heads = pool_k.size(1), dim_v = pool_v.size(2), width = slots.size(1);
-  const int64_t groups = heads / kv_heads;
+  const int64_t rows = query.size(0), heads = query.size(1), steps = query.size(2), dim = query.size(3);
+  const int64_t block = cache_k.size(1), kv_heads = cache_k.size(2), dim_v = cache_v.size(3);
+  const int64_t width = slots.size(1), groups = heads / kv_heads;
+  const int64_t tiles = (steps + QUERY_TILE - 1) / QUERY_TILE;
   const T* q_data = query.data_ptr<T>();
-  const T* k_data = pool_k.data_ptr<T>();
-  const T* v_data = pool_v.data_ptr<T>();
+  const T* k_data = cache_k.data_ptr<T>();
+  const T* v_data = cache_v.data_ptr<T>();
   const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const int64_t* length_data = lengths.data_ptr<int64_t>();
   T* out_data = out.data_ptr<T>();
-  const int64_t q_row = query.stride(0), q_head = query.stride(1);
-  const int64_t k_slot = pool_k.stride(0), k_head = pool_k.stride(1);
-  const int64_t v_slot = pool_v.stride(0), v_head = pool_v.stride(1);
-  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t q_row = query.stride(0), q_head = query.stride(1), q_step = query.stride(2);
+  const int64_t k_block = cache_k.stride(0), k_slot = cache_k.stride(1), k_head = cache_k.stride(2);
+  const int64_t v_block = cache_v.stride(0), v_slot = cache_v.stride(1), v_head = cache_v.stride(2);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1), o_step = out.stride(2);
   const A scale_a = static_cast<A>(scale);
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> q(groups * dim), acc(groups * dim_v), scores(groups * CHUNK);
-    std::vector<A> top(groups), total(groups);
-    std::vector<int64_t> chunk(CHUNK);
+  at::parallel_for(0, rows * kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const int64_t most = QUERY_TILE * groups;  // query vectors of one task
+    std::vector<A> q(most * dim), acc(most * dim_v), top(most), total(most), scores(CHUNK);
+    std::vector<const T*> keys(CHUNK), values(CHUNK);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / kv_heads, kv = task % kv_heads;
-      for (int64_t g = 0; g < groups; ++g) {
-        const T* src = q_data + row * q_row + (kv * groups + g) * q_head;
-        for (int64_t i = 0; i < dim; ++i) q[g * dim + i] = widen(src[i]);
-        top[g] = -std::numeric_limits<A>::infinity();
-        total[g] = 0;
+      const int64_t row = task / (kv_heads * tiles), kv = (task / tiles) % kv_heads, tile = task % tiles;
+      const int64_t first = tile * QUERY_TILE, last = std::min(steps, first + QUERY_TILE);
+      const int64_t* row_lengths = length_data + row * steps;
+      int64_t longest = 0;
+      for (int64_t s = first; s < last; ++s) {
+        longest = std::max(longest, row_lengths[s]);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t at = (s - first) * groups + g;
+          const T* src = q_data + row * q_row + (kv * groups + g) * q_head + s * q_step;
+          for (int64_t i = 0; i < dim; ++i) q[at * dim + i] = widen(src[i]);
+          top[at] = -std::numeric_limits<A>::infinity();
+          total[at] = 0;
+        }
       }
       std::fill(acc.begin(), acc.end(), A(0));
       const int64_t* row_slots = slot_data + row * width;
-      int64_t column = 0;
-      while (column < width) {
-        int64_t n = 0;  // the next (up to) CHUNK attended slots of the row, in order
-        for (; column < width && n < CHUNK; ++column) {
-          if (row_slots[column] >= 0) chunk[n++] = row_slots[column];
+      for (int64_t start = 0; start < longest; start += CHUNK) {
+        const int64_t n = std::min(CHUNK, longest - start);
+        for (int64_t j = 0; j < n; ++j) {  // the chunk's K/V where they lie
+          const int64_t slot = row_slots[start + j];
+          const int64_t where = slot / block, offset = slot % block;
+          keys[j] = k_data + where * k_block + offset * k_slot + kv * k_head;
+          values[j] = v_data + where * v_block + offset * v_slot + kv * v_head;
         }
-        if (n == 0) break;
-        for (int64_t g = 0; g < groups; ++g) {
-          A* s = scores.data() + g * CHUNK;
-          A best = top[g];
-          for (int64_t j = 0; j < n; ++j) {
-            s[j] = dot(q.data() + g * dim, k_data + chunk[j] * k_slot + kv * k_head, dim) * scale_a;
-            best = s[j] > best ? s[j] : best;
+        for (int64_t s = first; s < last; ++s) {
+          const int64_t m = std::min(n, row_lengths[s] - start);  // the columns this query attends
+          if (m <= 0) continue;
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t at = (s - first) * groups + g;
+            A best = top[at];
+            for (int64_t j = 0; j < m; ++j) {
+              scores[j] = dot(q.data() + at * dim, keys[j], dim) * scale_a;
+              best = scores[j] > best ? scores[j] : best;
+            }
+            const A shrink = std::exp(top[at] - best);  // exp(-inf) = 0 on the first chunk
+            A* a = acc.data() + at * dim_v;
+            for (int64_t i = 0; i < dim_v; ++i) a[i] *= shrink;
+            A sum = total[at] * shrink;
+            for (int64_t j = 0; j < m; ++j) {
+              const A p = std::exp(scores[j] - best);
+              sum += p;
+              const T* v = values[j];
+              for (int64_t i = 0; i < dim_v; ++i) a[i] += p * widen(v[i]);
+            }
+            top[at] = best;
+            total[at] = sum;
           }
-          const A shrink = std::exp(top[g] - best);  // exp(-inf) = 0 on the first chunk
-          A* a = acc.data() + g * dim_v;
-          for (int64_t i = 0; i < dim_v; ++i) a[i] *= shrink;
-          A sum = total[g] * shrink;
-          for (int64_t j = 0; j < n; ++j) {
-            const A p = std::exp(s[j] - best);
-            sum += p;
-            const T* v = v_data + chunk[j] * v_slot + kv * v_head;
-            for (int64_t i = 0; i < dim_v; ++i) a[i] += p * widen(v[i]);
-          }
-          top[g] = best;
-          total[g] = sum;
         }
       }
-      for (int64_t g = 0; g < groups; ++g) {
-        T* dst = out_data + row * o_row + (kv * groups + g) * o_head;
-        const A* a = acc.data() + g * dim_v;
-        const A inv = total[g] > 0 ? A(1) / total[g] : A(0);
-        for (int64_t i = 0; i < dim_v; ++i) dst[i] = static_cast<T>(a[i] * inv);
+      for (int64_t s = first; s < last; ++s) {
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t at = (s - first) * groups + g;
+          T* dst = out_data + row * o_row + (kv * groups + g) * o_head + s * o_step;
+          const A* a = acc.data() + at * dim_v;
+          const A inv = total[at] > 0 ? A(1) / total[at] : A(0);  // a query of no columns: zeros
+          for (int64_t i = 0; i < dim_v; ++i) dst[i] = static_cast<T>(a[i] * inv);
+        }
       }
     }
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& pool_k, const at::Tensor& pool_v,
-                        const at::Tensor& slots, double scale) {
-  TORCH_CHECK(query.device().is_cpu(), "paged_decode: CPU tensors only");
-  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "paged_decode: query must be (B, H, 1, D)");
-  TORCH_CHECK(pool_k.dim() == 3 && pool_v.dim() == 3, "paged_decode: pools must be (slots, H_kv, D)");
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                           const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(query.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 4, "paged_attention: query must be (B, H, S, D)");
+  TORCH_CHECK(cache_k.dim() == 4 && cache_v.dim() == 4, "paged_attention: caches must be (N, block, H_kv, D)");
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == query.size(0) && slots.scalar_type() == at::kLong,
-              "paged_decode: slots must be int64 (B, T)");
-  TORCH_CHECK(query.size(1) % pool_k.size(1) == 0, "paged_decode: query heads must be a multiple of kv heads");
-  TORCH_CHECK(query.size(3) == pool_k.size(2) && pool_k.size(1) == pool_v.size(1), "paged_decode: shapes disagree");
-  TORCH_CHECK(pool_k.scalar_type() == query.scalar_type() && pool_v.scalar_type() == query.scalar_type(),
-              "paged_decode: query and pools must share a dtype");
-  TORCH_CHECK(query.stride(3) == 1 && pool_k.stride(2) == 1 && pool_v.stride(2) == 1,
-              "paged_decode: the channel dim must be contiguous");
-  at::Tensor slots_c = slots.contiguous();
-  at::Tensor out = at::empty({query.size(0), query.size(1), 1, pool_v.size(2)}, query.options());
+              "paged_attention: slots must be int64 (B, T)");
+  TORCH_CHECK(lengths.dim() == 2 && lengths.size(0) == query.size(0) && lengths.size(1) == query.size(2) &&
+                  lengths.scalar_type() == at::kLong,
+              "paged_attention: lengths must be int64 (B, S)");
+  TORCH_CHECK(query.size(1) % cache_k.size(2) == 0, "paged_attention: query heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(3) == cache_k.size(3) && cache_k.size(2) == cache_v.size(2) &&
+                  cache_k.size(0) == cache_v.size(0) && cache_k.size(1) == cache_v.size(1),
+              "paged_attention: shapes disagree");
+  TORCH_CHECK(cache_k.scalar_type() == query.scalar_type() && cache_v.scalar_type() == query.scalar_type(),
+              "paged_attention: query and caches must share a dtype");
+  TORCH_CHECK(query.stride(3) == 1 && cache_k.stride(3) == 1 && cache_v.stride(3) == 1,
+              "paged_attention: the channel dim must be contiguous");
+  at::Tensor slots_c = slots.contiguous(), lengths_c = lengths.contiguous();
+  if (slots_c.numel()) {
+    TORCH_CHECK(slots_c.min().item<int64_t>() >= 0 && slots_c.max().item<int64_t>() < cache_k.size(0) * cache_k.size(1),
+                "paged_attention: every slot must lie in the cache");
+  }
+  if (lengths_c.numel()) {
+    TORCH_CHECK(lengths_c.min().item<int64_t>() >= 0 && lengths_c.max().item<int64_t>() <= slots_c.size(1),
+                "paged_attention: lengths must lie in [0, T]");
+  }
+  at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2), cache_v.size(3)}, query.options());
   switch (query.scalar_type()) {
-    case at::kFloat: decode_kernel<float>(query, pool_k, pool_v, slots_c, scale, out); break;
-    case at::kDouble: decode_kernel<double>(query, pool_k, pool_v, slots_c, scale, out); break;
-    case at::kBFloat16: decode_kernel<c10::BFloat16>(query, pool_k, pool_v, slots_c, scale, out); break;
-    default: TORCH_CHECK(false, "paged_decode: float32, float64 or bfloat16 only, got ", query.scalar_type());
+    case at::kFloat: attention_kernel<float>(query, cache_k, cache_v, slots_c, lengths_c, scale, out); break;
+    case at::kDouble: attention_kernel<double>(query, cache_k, cache_v, slots_c, lengths_c, scale, out); break;
+    case at::kBFloat16:
+      attention_kernel<c10::BFloat16>(query, cache_k, cache_v, slots_c, lengths_c, scale, out);
+      break;
+    default: TORCH_CHECK(false, "paged_attention: float32, float64 or bfloat16 only, got ", query.scalar_type());
   }
   return out;
 }
@@ -145,7 +182,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& pool_k, const
 }  // namespace
 
 TORCH_LIBRARY(hyper_gen, m) {
-  m.def("paged_decode(Tensor query, Tensor pool_k, Tensor pool_v, Tensor slots, float scale) -> Tensor");
+  m.def("paged_attention(Tensor query, Tensor cache_k, Tensor cache_v, Tensor slots, Tensor lengths, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hyper_gen, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(hyper_gen, CPU, m) { m.impl("paged_attention", &paged_attention); }
