@@ -75,6 +75,7 @@ class KernelPlan:
     def __init__(self, backend: str, host: str, mode: str, choices: Optional[Dict[str, str]] = None, path=None):
         self.backend, self.host, self.mode, self.path = backend, host, mode, path
         self.choices: Dict[str, str] = dict(choices or {})
+        self._allowed: Optional[Callable[[str], bool]] = None  # set by ``check``
 
     @classmethod
     def open(cls, kernels, backend: str, framework_version: str, threads: int) -> "KernelPlan":
@@ -101,18 +102,25 @@ class KernelPlan:
             raise ValueError(f"kernel plan {self.path!r} has no kernel for {key!r}; record one with kernels='auto'")
         with _locked(self.path):
             stored = _read(self.path, self.backend).get("choices", {})  # another process may have timed it
-            self.choices.update(stored)
+            self.choices.update({k: v for k, v in stored.items() if self._allowed is None or self._allowed(v)})
             if key not in self.choices:
                 self.choices[key] = str(measure())
                 _write(self.path, self.to_dict(stored))
         return self.choices[key]
 
     def check(self, allowed: Callable[[str], bool]) -> None:
-        """Every recorded kernel is one this backend runs (a pinned plan from elsewhere, a cache
-        written by another version): a ValueError naming the first that is not."""
-        for key, kernel in self.choices.items():
-            if not allowed(kernel):
-                raise ValueError(f"kernel plan {self.path!r}: {key!r} -> {kernel!r} is not a {self.backend} kernel")
+        """Every recorded kernel of a pinned plan is one this backend runs (a plan from elsewhere):
+        a ValueError naming the first that is not. The host's cache ("auto") is shared by every
+        version of hyper_gen on the host: a kernel another version recorded there that this one
+        does not run is left in the file and never run (its shape is timed again if asked)."""
+        self._allowed = allowed
+        for key, kernel in list(self.choices.items()):
+            if allowed(kernel):
+                continue
+            if self.mode == "auto":
+                del self.choices[key]
+                continue
+            raise ValueError(f"kernel plan {self.path!r}: {key!r} -> {kernel!r} is not a {self.backend} kernel")
 
     def used(self, keys: Iterable[str]) -> "KernelPlan":
         """This plan narrowed to ``keys`` (what one model runs), for ``model.kernel_plan``."""

@@ -185,3 +185,18 @@ def test_fresh_processes_give_bitwise_the_same_logits(tmp_path, backend):
     assert all(r["plan"] == auto[0]["plan"] for r in pinned)
     plain = [r["plain"] for r in runs]
     assert len({r["logits"] for r in plain}) == 1 and all(r["plan"] == {} for r in plain)
+
+
+def test_a_host_plan_another_version_wrote_to_is_read_around(tmp_path, monkeypatch):
+    """The host's cache is shared by every hyper_gen on the host: kernels this version does not run
+    (a newer one's) stay in the file and are never run here; a shape of them is timed afresh."""
+    monkeypatch.setenv("HYPER_GEN_CACHE_DIR", str(tmp_path))
+    newer = KernelPlan.open("auto", "torch", "9.9", 2)
+    newer.choose("matmul 8x8", lambda: "fast:1")
+    newer.choose("rows 8x8", lambda: "rows:4")
+    plan = KernelPlan.open("auto", "torch", "9.9", 2)
+    plan.check(lambda kernel: kernel.startswith("fast"))
+    assert plan.choices == {"matmul 8x8": "fast:1"}
+    assert plan.choose("rows 8x8", lambda: "fast:2") == "fast:2"
+    with open(plan.path) as f:
+        assert json.load(f)["choices"] == {"matmul 8x8": "fast:1", "rows 8x8": "fast:2"}
