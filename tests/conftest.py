@@ -22,6 +22,16 @@ from backend_harness import HARNESSES
 BACKENDS = ["torch", "mindspore"]
 
 
+def pytest_configure(config):
+    """The engine's paged-attention kernel is built on first use (torch's extension loader, ~30 s on
+    2 cores): built once here, in the run's first process, before any worker, server or torchrun
+    subprocess a test starts needs it (their start-up timeouts would otherwise pay for the build)."""
+    if not hasattr(config, "workerinput"):
+        from hyper_gen.backends.torch import paged_kernel
+
+        paged_kernel.available()
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown (and unused) under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     """Each test file on one worker under -n 2 (``--dist loadfile``): a module-scoped torchrun / msrun
