@@ -49,6 +49,7 @@ def test_a_bad_budget_is_named(monkeypatch, value):
         ("torch", "HYPER_GEN_TORCH_ONEDNN_GEMM_MB", "x"),  # was a traceback from inside the first forward
         ("torch", "HYPER_GEN_TORCH_ONEDNN_GEMM_MB", "-5"),
         ("torch", "HYPER_GEN_KERNELS", "fast"),
+        ("torch", "HYPER_GEN_PAGED_KERNEL", "no"),
         ("mindspore", "HYPER_GEN_MINDSPORE_JIT", "off"),  # was read as "on"
         ("mindspore", "HYPER_GEN_KERNELS", "fast"),
     ],

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from hyper_gen import switches
+
 _NAME = "hyper_gen_paged_attention"
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cpp")
 _lock = threading.Lock()
@@ -42,8 +44,13 @@ def describe() -> str:
     return "paged_attention (C++, in place)" if _state["ok"] else f"gathered pieces ({_state['why']})"
 
 
+def enabled() -> bool:
+    """``$HYPER_GEN_PAGED_KERNEL`` (0 / 1, default 1; another value is a ValueError naming it)."""
+    return switches.flag("HYPER_GEN_PAGED_KERNEL")
+
+
 def _load():
-    if os.environ.get("HYPER_GEN_PAGED_KERNEL", "1") == "0":
+    if not enabled():
         return False, "HYPER_GEN_PAGED_KERNEL=0"
     if hasattr(torch.ops, "hyper_gen") and hasattr(torch.ops.hyper_gen, "paged_attention"):
         return True, ""

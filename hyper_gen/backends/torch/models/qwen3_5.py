@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_gen.backends.torch import paged_kernel
 from hyper_gen.backends.torch.context_parallel import all_to_all
 from hyper_gen.backends.torch.devices import resolve_device
 from hyper_gen.backends.torch.gated_deltanet import GatedDeltaNet
@@ -560,6 +561,7 @@ def load(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     budget_bytes()  # HYPER_GEN_TORCH_ONEDNN_GEMM_MB read before any work (a bad value is a ValueError)
+    paged_kernel.enabled()  # HYPER_GEN_PAGED_KERNEL likewise
     projections = TorchKernels(KernelPlan.open(kernels, "torch", torch.__version__, torch.get_num_threads()))
     device = resolve_device(None if device is None else str(device), dtype)
     config = Qwen3_5Config.from_dict(checkpoint.config)
