@@ -108,17 +108,20 @@ def test_a_piece_of_whole_blocks_names_them():
 
 def test_in_place_columns_are_each_rows_attended_slots_in_order():
     """A chunk of 3 after a past: row 0's 4 past slots, row 1's 2 (then padding to the widest past),
-    then each row's own 3 columns, causal; query s attends the past and its own first s + 1."""
+    then each row's own 3 columns (row 1's first is padding), causal: query s attends the past and
+    its own valid columns up to s; they are the columns the step's mask (``_Rows.mask``) shows."""
     from hyper_gen.engine.kv_store import NULL_SLOT, in_place_columns
+    from hyper_gen.engine.runner import _Rows
 
-    read = np.array([[10, 11, 12, 13, 20, 21, 22], [30, 31, 0, 0, 40, 41, 42]])
-    mask = np.full((2, 1, 3, 7), -1e30)
-    for row, past in ((0, 4), (1, 2)):
-        mask[row, 0, :, :past] = 0
+    read = np.array([[10, 11, 12, 13, 20, 21, 22], [30, 31, 0, 0, 0, 41, 42]])
+    past = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=bool)
+    new = np.array([[1, 1, 1], [0, 1, 1]], dtype=bool)
+    slots, lengths = in_place_columns(read, past, new)
+    assert slots.tolist() == [[10, 11, 12, 13, 20, 21, 22], [30, 31, 41, 42, NULL_SLOT, NULL_SLOT, NULL_SLOT]]
+    assert lengths.tolist() == [[5, 6, 7], [0, 3, 4]]
+    mask = _Rows(np.zeros((2, 3), dtype=np.int64), None, past, new, read, False).mask("float32")
+    for row in range(2):
         for s in range(3):
-            mask[row, 0, s, 4 : 5 + s] = 0
-    slots, lengths = in_place_columns(read, mask)
-    assert slots.tolist() == [[10, 11, 12, 13, 20, 21, 22], [30, 31, 40, 41, 42, NULL_SLOT, NULL_SLOT]]
-    assert lengths.tolist() == [[5, 6, 7], [3, 4, 5]]
-    mask[1, 0, 1, 0] = -1e30  # a query that skips its row's first column: not what the kernel reads
-    assert in_place_columns(read, mask) is None
+            if new[row, s]:  # the slots the mask shows this query, in column order
+                shown = read[row][mask[row, 0, s] == 0].tolist()
+                assert shown == slots[row, : lengths[row, s]].tolist(), (row, s)

@@ -277,19 +277,18 @@ def _whole_blocks(slots: np.ndarray, seen: np.ndarray, start: int, block_size: i
     return np.maximum(top, 0)
 
 
-def in_place_columns(read: np.ndarray, mask: np.ndarray):
-    """What ``Ops.in_place_attention`` reads for attention over ``read`` (B, T) slots with the
-    additive ``mask`` (B, 1, S, T): each row's attended slots in column order (B, T'), padded with
-    the null slot, and how many of them each query attends (B, S); None where some query's columns
-    are not the first of its row's (a mask that is not causal over the row's columns)."""
-    attended = mask[:, 0] == 0  # (B, S, T)
-    union = attended.any(axis=1)
-    lengths = attended.sum(axis=2)
-    rank = np.cumsum(union, axis=1)  # a column's place among its row's attended ones, from 1
-    if not (attended == (union[:, None, :] & (rank[:, None, :] <= lengths[:, :, None]))).all():
-        return None
-    order = np.argsort(~union, axis=1, kind="stable")[:, : max(1, int(union.sum(axis=1).max()))]
+def in_place_columns(read: np.ndarray, past_valid: np.ndarray, new_valid: np.ndarray):
+    """What ``Ops.in_place_attention`` reads for a step over ``read`` (B, W + S) slots: (B, W) past
+    columns (``past_valid``: the row's own), then (B, S) new ones, left-padded (``new_valid``).
+    Returns each row's attended slots in column order (B, T'), padded with the null slot, and how
+    many of them each query attends (B, S): its row's past and its own new columns up to itself, as
+    the step's causal mask says (a padding query: none, a zero output nobody reads)."""
+    union = np.concatenate([past_valid, new_valid], axis=1).astype(bool)
+    counts = union.sum(axis=1)
+    order = np.argsort(~union, axis=1, kind="stable")[:, : max(1, int(counts.max()))]
     slots = np.where(np.take_along_axis(union, order, axis=1), np.take_along_axis(read, order, axis=1), NULL_SLOT)
+    own = np.cumsum(new_valid, axis=1)  # a valid query's place among its row's new columns, from 1
+    lengths = np.where(new_valid, past_valid.sum(axis=1)[:, None] + own, 0)
     return slots, lengths
 
 

@@ -281,9 +281,9 @@ class ModelRunner:
         cache = PagedCache(self.store, rows.write, rows.read, rows.width, rows.conv, rows.recurrent)
         columns = self.paged_columns
         if columns and rows.read.shape[1] > columns:
-            in_place = in_place_columns(rows.read, mask) if self.in_place else None
-            if in_place is not None:
-                cache.in_place = tuple(self.ops.asarray(array, "int64") for array in in_place)
+            if self.in_place:
+                columns = in_place_columns(rows.read, rows.past_valid, rows.new_valid)
+                cache.in_place = tuple(self.ops.asarray(array, "int64") for array in columns)
             else:
                 cache.pieces = attention_pieces(self.ops, rows.read, mask, columns, self.dtype, self.store.block_size)
         if rows.width == 0 and not rows.new_valid.all():
