@@ -21,26 +21,36 @@ class ZeroCentredRMSNorm(nn.Module):
     """``x / rms(x) * (1 + w)``, computed in ``compute_dtype`` and cast back (HF Qwen3_5RMSNorm).
 
     ``scale`` = ``1 + w`` in that dtype is precomputed at load (a buffer, so ``parameters()`` keeps
-    the model dtype); it is bitwise what HF computes each call."""
+    the model dtype); it is bitwise what HF computes each call. A ``trainable`` norm (batch-invariant
+    mode) holds HF's ``weight`` as a parameter instead and computes ``1 + w`` each call (the same bits)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, trainable: bool = False):
         super().__init__()
         self.eps = eps
-        self.register_buffer("scale", torch.empty(dim, dtype=torch.float32))
+        self.trainable = trainable
+        if trainable:
+            self.weight = nn.Parameter(torch.empty(dim))
+        else:
+            self.register_buffer("scale", torch.empty(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(self.scale.dtype)
+        if self.trainable:
+            wide = compute_dtype(x.dtype)
+            scale = 1.0 + self.weight.to(wide)
+        else:
+            wide, scale = self.scale.dtype, self.scale
+        h = x.to(wide)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.scale).type_as(x)
+        return (h * scale).type_as(x)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, silu=F.silu) -> torch.Tensor:
     """Gated DeltaNet output norm: ``w * x / rms(x) * silu(gate)`` (HF Qwen3_5RMSNormGated)."""
     dtype, wide = x.dtype, compute_dtype(x.dtype)
     h = x.to(wide)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(dtype)
-    h = h * F.silu(gate.to(wide))
+    h = h * silu(gate.to(wide))
     return h.to(dtype)
 
 
