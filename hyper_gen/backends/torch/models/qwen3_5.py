@@ -509,9 +509,6 @@ def _gated_deltanet_state(w: _Weights, s: GatedDeltaNetShard) -> dict:
     # one in float32 (these (Hv, H) matrices are too small for the layout to matter to speed)
     state["in_proj_b"] = w.tensor(s.b).t()
     state["in_proj_a"] = w.tensor(s.a).t()
-    if w.trainable:  # batch-invariant mode projects them too: their row quanta probed at load
-        w.kernels.kernel_for(state["in_proj_b"])
-        w.kernels.kernel_for(state["in_proj_a"])
     conv = w.tensor(s.conv)  # (q|k|v channels, 1, kernel)
     state["conv_weight"] = conv.reshape(conv.shape[0], conv.shape[-1])
     state["dt_bias"] = w.tensor(s.dt_bias)
@@ -636,6 +633,9 @@ def load(
     w = _Weights(checkpoint, torch_dtype(dtype), device, projections, trainable=batch_invariant)
 
     state = _state(w, shard)
+    if batch_invariant:  # b / a are not laid out by the kernels, but projected by them: probed now
+        for key in [k for k in state if k.endswith(("in_proj_b", "in_proj_a"))]:
+            projections.kernel_for(state[key])
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(shard, group, cp_plan, cp_group, trainable=batch_invariant)
     model.load_state_dict(state, strict=True, assign=True)
