@@ -200,3 +200,30 @@ def test_the_row_quanta_are_the_models_kernel_plan(models):
     plan = models("moe", "float32").kernel_plan
     assert plan.choices and all(k.startswith("invariant ") for k in plan.choices)
     assert set(plan.choices.values()) <= {f"rows:{q}" for q in (4, 8, 16, 32, 64)} | {"sum"}
+
+
+def test_cli_generate_batch_invariant_gives_the_default_completions(cli):
+    from demo_task import make_prompts
+
+    args = ["generate", "--max-new-tokens", "8"]
+    for prompt, _ in make_prompts(3, seed=5):
+        args += ["--prompt", prompt]
+    default, invariant = cli(args), cli(args + ["--batch-invariant"])
+    assert default.returncode == 0 and invariant.returncode == 0, invariant.stderr[-2000:]
+    assert invariant.stdout == default.stdout
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--backend", "mindspore"], "batch_invariant=True is not supported by backend='mindspore'"),
+        (["--input", "in.jsonl", "--output", "out.jsonl"], "--batch-invariant runs --input jobs with --batching fixed"),
+    ],
+)
+def test_cli_batch_invariant_refusals_are_one_line_exit_2(cli, tmp_path, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "1+1="}\n')
+    args = ["generate", "--batch-invariant"] + (["--prompt", "1+1="] if "--input" not in extra else []) + extra
+    result = cli(args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
