@@ -112,11 +112,12 @@ class KernelPlan:
                 _write(self.path, self.to_dict(stored))
         return self.choices[key]
 
-    def check(self, allowed: Callable[[str], bool]) -> None:
+    def check(self, allowed: Callable[[str], bool], applies: Callable[[str], bool] = lambda key: True) -> None:
         """Every recorded kernel is one this backend runs (a pinned plan from elsewhere, a cache
-        written by another version): a ValueError naming the first that is not."""
+        written by another version): a ValueError naming the first that is not. ``applies``: the keys
+        the caller's kernels read (one host's plan holds a backend's default and batch-invariant keys)."""
         for key, kernel in self.choices.items():
-            if not allowed(kernel):
+            if applies(key) and not allowed(kernel):
                 raise ValueError(f"kernel plan {self.path!r}: {key!r} -> {kernel!r} is not a {self.backend} kernel")
 
     def used(self, keys: Iterable[str]) -> "KernelPlan":

@@ -216,7 +216,11 @@ def test_cli_generate_batch_invariant_gives_the_default_completions(cli):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--backend", "mindspore"], "batch_invariant=True is not supported by backend='mindspore'"),
+        pytest.param(
+            ["--backend", "mindspore"],
+            "batch_invariant=True is not supported by backend='mindspore'",
+            marks=pytest.mark.slow,  # importing MindSpore: 10 s
+        ),
         (["--input", "in.jsonl", "--output", "out.jsonl"], "--batch-invariant runs --input jobs with --batching fixed"),
     ],
 )
@@ -227,3 +231,17 @@ def test_cli_batch_invariant_refusals_are_one_line_exit_2(cli, tmp_path, monkeyp
     result = cli(args)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_row_quanta_are_recorded_beside_the_default_kernels_and_pinnable(checkpoint_dir, tmp_path, monkeypatch):
+    """kernels="auto": the quanta go to the host's plan file, which default loads still read; a saved
+    plan pins them."""
+    monkeypatch.setenv("HYPER_GEN_CACHE_DIR", str(tmp_path / "cache"))
+    path = make_checkpoint(checkpoint_dir, "dense")
+    invariant = load_model(path, backend="torch", batch_invariant=True, kernels="auto")
+    assert invariant.kernel_plan.mode == "auto" and invariant.kernel_plan.choices
+    load_model(path, backend="torch", kernels="auto")  # the host plan now holds invariant keys too
+    pinned = tmp_path / "plan.json"
+    invariant.kernel_plan.save(pinned)
+    again = load_model(path, backend="torch", batch_invariant=True, kernels=str(pinned))
+    assert again.kernel_plan.choices == invariant.kernel_plan.choices

@@ -83,7 +83,7 @@ class InvariantKernels:
     invariant = True
 
     def __init__(self, plan: KernelPlan):
-        plan.check(allowed)
+        plan.check(allowed, lambda key: key.startswith("invariant "))
         self.plan = plan
         self.keys: Dict[Tuple, str] = {}
         self.plan_keys: set = set()
