@@ -197,9 +197,9 @@ class GatedDeltaNet(nn.Module):
             if packing is not None:
                 out = packing.pack(out)
         shape = z.shape
-        silu = invariant_ops.silu if self.kernels.invariant else F.silu
+        invariant = invariant_ops if self.kernels.invariant else None
         out = gated_rms_norm(
-            out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps, silu
+            out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps, invariant
         )
         return self.kernels.project(out.reshape(shape), self.out_proj)
 
@@ -287,8 +287,9 @@ class GatedDeltaNet(nn.Module):
             t.transpose(1, 2).to(compute_dtype(dtype), memory_format=torch.contiguous_format)
             for t in (query, key, value, beta, decay)
         )
-        query = l2_normalise(query)
-        key = l2_normalise(key)
+        normalise = invariant_ops.l2_normalise if self.kernels.invariant else l2_normalise
+        query = normalise(query)
+        key = normalise(key)
         if self.kernels.invariant:  # every position by the recurrent step: prefill = decode, bit for bit
             query = query / (query.shape[-1] ** 0.5)
             out, state = invariant_ops.recurrent_delta_rule(query, key, value, decay, beta, state)

@@ -3,6 +3,10 @@ whatever else is in the tensor, and prefill, chunked prefill and decode compute 
 
 Why each exists (measured on torch 2.13 CPU, AVX2):
 
+- sums: torch's ``sum`` / ``mean`` over a contiguous last axis gave a row other bits among 96 rows than
+  among 8 (a (B, H, S, 64) l2-norm, S = 12 vs 1); ``tree_sum`` adds halves elementwise instead, an
+  order fixed by the axis length alone. Every reduction of the mode is one (norms, l2-norms,
+  attention's dot products and softmax sums, the delta rule's state products).
 - elementwise: torch runs a vectorised loop and finishes a tensor's last few elements with the
   scalar function; for ``sigmoid``, ``silu``, ``softplus`` (and ``log1p``) the two round differently,
   so an element's bits depend on where the tensor ends. ``exp``, ``log``, ``rsqrt``, ``+ - * /``
@@ -27,6 +31,36 @@ import torch
 
 KEY_BLOCK = 64
 QUERY_BLOCK = 16  # queries scored at a time (bounds the (queries, keys, head dim) products' memory)
+
+
+# ------------------------------------------------------------------------------------------ sums
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The sum over ``dim`` (kept, size 1) as a tree of elementwise halves, zero-padded to a power of
+    two: each element's order of additions depends on the axis length only."""
+    n = x.shape[dim]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, width - n]
+        x = torch.nn.functional.pad(x, pad)
+    while width > 1:
+        width //= 2
+        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
+    return x
+
+
+def mean(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return tree_sum(x, dim) / x.shape[dim]
+
+
+def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps)`` over the last axis (HF's RMSNorm core), its mean a ``tree_sum``."""
+    return x * torch.rsqrt(mean(x * x) + eps)
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(tree_sum(x * x) + eps)
 
 
 # ----------------------------------------------------------------------------------- elementwise
@@ -56,6 +90,12 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 20.0, x, log1p)
 
 
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis, its sum a ``tree_sum`` (the MoE router's)."""
+    weights = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return weights / tree_sum(weights)
+
+
 # ------------------------------------------------------------------------------ Gated DeltaNet
 
 
@@ -75,10 +115,10 @@ def delta_step(query, key, value, decay, beta, state):
     query/key (B, H, Dk) l2-normalised (query pre-scaled), value (B, H, Dv), decay/beta (B, H),
     state (B, H, Dk, Dv), all in the compute dtype. Returns output (B, H, Dv) and the new state."""
     state = state * torch.exp(decay)[..., None, None]
-    kv_mem = (state * key.unsqueeze(-1)).sum(dim=-2)
+    kv_mem = tree_sum(state * key.unsqueeze(-1), -2).squeeze(-2)
     delta = (value - kv_mem) * beta.unsqueeze(-1)
     state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (state * query.unsqueeze(-1)).sum(dim=-2), state
+    return tree_sum(state * query.unsqueeze(-1), -2).squeeze(-2), state
 
 
 def recurrent_delta_rule(query, key, value, decay, beta, state):
@@ -135,12 +175,12 @@ def attention(query, key, value, mask, scale: float, compute_dtype) -> torch.Ten
     outs = []
     for start in range(0, s, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, s)
-        scores = (q[:, :, :, start:stop, None, :] * k).sum(dim=-1) * scale + bias[..., start:stop, :]
+        scores = tree_sum(q[:, :, :, start:stop, None, :] * k).squeeze(-1) * scale + bias[..., start:stop, :]
         top = scores.amax(dim=-1, keepdim=True)
         weights = torch.exp(scores - top)  # (B, KV, G, s', W)
         blocks = weights.reshape(*weights.shape[:-1], -1, KEY_BLOCK)
-        total = blocks.sum(dim=-1).cumsum(dim=-1)[..., -1:]  # (B, KV, G, s', 1)
-        weighted = (blocks.unsqueeze(-1) * v).sum(dim=-2)  # (B, KV, G, s', nblocks, D)
+        total = tree_sum(blocks).squeeze(-1).cumsum(dim=-1)[..., -1:]  # (B, KV, G, s', 1)
+        weighted = tree_sum(blocks.unsqueeze(-1) * v, -2).squeeze(-2)  # (B, KV, G, s', nblocks, D)
         out = weighted.cumsum(dim=-2)[..., -1, :] / total
         outs.append(out)
     out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]

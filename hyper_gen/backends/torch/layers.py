@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_gen.backends.torch import invariant_ops
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """What HF's float32 steps run in: float32 as HF's, float64 in a float64 model (no float32 islands)."""
@@ -40,15 +42,23 @@ class ZeroCentredRMSNorm(nn.Module):
         else:
             wide, scale = self.scale.dtype, self.scale
         h = x.to(wide)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.trainable:  # batch-invariant mode's: a fixed-order sum
+            h = invariant_ops.rms_normalise(h, self.eps)
+        else:
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * scale).type_as(x)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, silu=F.silu) -> torch.Tensor:
-    """Gated DeltaNet output norm: ``w * x / rms(x) * silu(gate)`` (HF Qwen3_5RMSNormGated)."""
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, invariant=None):
+    """Gated DeltaNet output norm: ``w * x / rms(x) * silu(gate)`` (HF Qwen3_5RMSNormGated);
+    ``invariant``: the ``invariant_ops`` module, whose sum and silu batch-invariant mode runs."""
     dtype, wide = x.dtype, compute_dtype(x.dtype)
     h = x.to(wide)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if invariant is not None:
+        h = invariant.rms_normalise(h, eps)
+    else:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    silu = F.silu if invariant is None else invariant.silu
     h = weight * h.to(dtype)
     h = h * silu(gate.to(wide))
     return h.to(dtype)

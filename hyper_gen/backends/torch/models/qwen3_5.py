@@ -240,11 +240,16 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.kernels.project(x, self.router)
-        probs = F.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
+        invariant = self.kernels.invariant
+        if invariant:
+            probs = invariant_ops.softmax(logits.to(compute_dtype(logits.dtype)))
+        else:
+            probs = F.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.routes is not None:
             self.routes.append(experts)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        total = invariant_ops.tree_sum(weights) if invariant else weights.sum(dim=-1, keepdim=True)
+        weights = (weights / total).to(logits.dtype)
         if self.kernels.invariant:
             out = self._experts_invariant(x, experts, weights)
             sigmoid = invariant_ops.sigmoid_like
