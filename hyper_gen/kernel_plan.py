@@ -112,12 +112,11 @@ class KernelPlan:
                 _write(self.path, self.to_dict(stored))
         return self.choices[key]
 
-    def check(self, allowed: Callable[[str], bool], applies: Callable[[str], bool] = lambda key: True) -> None:
+    def check(self, allowed: Callable[[str], bool]) -> None:
         """Every recorded kernel is one this backend runs (a pinned plan from elsewhere, a cache
-        written by another version): a ValueError naming the first that is not. ``applies``: the keys
-        the caller's kernels read (one host's plan holds a backend's default and batch-invariant keys)."""
+        written by another version): a ValueError naming the first that is not."""
         for key, kernel in self.choices.items():
-            if applies(key) and not allowed(kernel):
+            if not allowed(kernel):
                 raise ValueError(f"kernel plan {self.path!r}: {key!r} -> {kernel!r} is not a {self.backend} kernel")
 
     def used(self, keys: Iterable[str]) -> "KernelPlan":

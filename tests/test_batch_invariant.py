@@ -31,7 +31,15 @@ from hyper_gen.positions import cumsum_positions
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW_TOKENS = 10
-CASES = [("dense", "float32"), ("dense", "bfloat16"), ("moe", "float32"), ("moe", "bfloat16")]
+CASES = [("dense", "float32"), ("dense", "bfloat16"), ("moe", "float32"), ("moe", "bfloat16"), ("wide", "float32")]
+# head dims of 64 (torch's own sum over such an axis gave a row other bits among 96 rows than among 8)
+WIDE = dict(hidden_size=128, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, intermediate_size=256)
+
+
+def _checkpoint(checkpoint_dir, kind):
+    if kind == "wide":
+        return make_checkpoint(checkpoint_dir, "dense", text_overrides=WIDE)
+    return make_checkpoint(checkpoint_dir, kind, fused_experts=kind == "moe")
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +51,9 @@ def checkpoint_dir(tmp_path_factory):
 def models(checkpoint_dir):
     @functools.lru_cache(maxsize=None)
     def get(kind, dtype, invariant=True):
-        path = make_checkpoint(checkpoint_dir, kind, fused_experts=kind == "moe")
-        return load_model(path, backend="torch", dtype=dtype, batch_invariant=invariant, kernels="plain")
+        return load_model(
+            _checkpoint(checkpoint_dir, kind), backend="torch", dtype=dtype, batch_invariant=invariant, kernels="plain"
+        )
 
     return get
 
@@ -167,10 +176,10 @@ def _hf_gradients_in_native_layout(model, path, hf):
     return port._state(weights, describe(source, model.config, model.tp_plan))
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "wide"])
 def test_gradients_equal_hfs_in_float64(models, checkpoint_dir, kind):
     model = models(kind, "float64")
-    path = make_checkpoint(checkpoint_dir, kind, fused_experts=kind == "moe")
+    path = _checkpoint(checkpoint_dir, kind)
     hf = HFReference(path, "float64", exact=True).model  # HF computing in float64 throughout
     ids = torch.from_numpy(np.random.default_rng(4).integers(8, 90, size=(2, 13)))
     probe = torch.from_numpy(np.random.default_rng(5).standard_normal((2, 13, model.vocab_size)))
@@ -233,15 +242,20 @@ def test_cli_batch_invariant_refusals_are_one_line_exit_2(cli, tmp_path, monkeyp
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_row_quanta_are_recorded_beside_the_default_kernels_and_pinnable(checkpoint_dir, tmp_path, monkeypatch):
-    """kernels="auto": the quanta go to the host's plan file, which default loads still read; a saved
-    plan pins them."""
+def test_row_quanta_are_recorded_in_a_plan_of_their_own_and_pinnable(checkpoint_dir, tmp_path, monkeypatch):
+    """kernels="auto": the quanta go to the host's "torch-invariant" plan file, never into the default
+    plan (which older code reads and would refuse); a saved plan pins them; a default plan is refused."""
     monkeypatch.setenv("HYPER_GEN_CACHE_DIR", str(tmp_path / "cache"))
     path = make_checkpoint(checkpoint_dir, "dense")
     invariant = load_model(path, backend="torch", batch_invariant=True, kernels="auto")
     assert invariant.kernel_plan.mode == "auto" and invariant.kernel_plan.choices
-    load_model(path, backend="torch", kernels="auto")  # the host plan now holds invariant keys too
+    assert invariant.kernel_plan.backend == "torch-invariant"
+    default = load_model(path, backend="torch", kernels="auto")
+    assert not any(key.startswith("invariant ") for key in default.kernel_plan.choices)
     pinned = tmp_path / "plan.json"
     invariant.kernel_plan.save(pinned)
     again = load_model(path, backend="torch", batch_invariant=True, kernels=str(pinned))
     assert again.kernel_plan.choices == invariant.kernel_plan.choices
+    default.kernel_plan.save(tmp_path / "default.json")
+    with pytest.raises(ValueError, match="is for backend 'torch', not 'torch-invariant'"):
+        load_model(path, backend="torch", batch_invariant=True, kernels=str(tmp_path / "default.json"))

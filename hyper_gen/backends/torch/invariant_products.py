@@ -7,7 +7,8 @@ batch-invariant mode every product runs the plain product with its row count pad
 *row quantum* ``q`` (zero rows, dropped after): the smallest of ``QUANTA`` that a probe at load
 shows gives every row the bits it has among 64 rows, at every multiple of ``q`` up to 64, at
 two offsets, and among 192 rows. The quantum is a recorded choice of the model's ``KernelPlan``
-(key ``invariant <in>x<out> <dtype> <layout>``, kernel ``rows:<q>``), pinnable like any other;
+(backend ``torch-invariant``, a host file of its own; key ``invariant <in>x<out> <dtype> <layout>
+<device>``, kernel ``rows:<q>``), recorded under ``kernels="auto"`` and pinnable like any other;
 a shape no quantum passes runs ``sum``: the products and a sum over ``in`` in a fixed order
 (small weights only; a large one is a ValueError at load). The oneDNN-packed and column-blocked
 products are never used in this mode.
@@ -83,7 +84,7 @@ class InvariantKernels:
     invariant = True
 
     def __init__(self, plan: KernelPlan):
-        plan.check(allowed, lambda key: key.startswith("invariant "))
+        plan.check(allowed)
         self.plan = plan
         self.keys: Dict[Tuple, str] = {}
         self.plan_keys: set = set()

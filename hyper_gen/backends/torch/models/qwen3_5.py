@@ -623,7 +623,9 @@ def load(
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     budget_bytes()  # HYPER_GEN_TORCH_ONEDNN_GEMM_MB read before any work (a bad value is a ValueError)
     check_batch_invariant(batch_invariant, plan, cp_plan)
-    kernel_plan = KernelPlan.open(kernels, "torch", torch.__version__, torch.get_num_threads())
+    # batch-invariant row quanta live in a plan of their own ("torch-invariant": its own host file)
+    backend = "torch-invariant" if batch_invariant else "torch"
+    kernel_plan = KernelPlan.open(kernels, backend, torch.__version__, torch.get_num_threads())
     projections = InvariantKernels(kernel_plan) if batch_invariant else TorchKernels(kernel_plan)
     device = resolve_device(None if device is None else str(device), dtype)
     config = Qwen3_5Config.from_dict(checkpoint.config)
