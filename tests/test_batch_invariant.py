@@ -208,38 +208,7 @@ def test_bad_values_and_unsupported_setups_are_refused(checkpoint_dir):
 def test_the_row_quanta_are_the_models_kernel_plan(models):
     plan = models("moe", "float32").kernel_plan
     assert plan.choices and all(k.startswith("invariant ") for k in plan.choices)
-    assert set(plan.choices.values()) <= {f"rows:{q}" for q in (4, 8, 16, 32, 64)} | {"sum"}
-
-
-def test_cli_generate_batch_invariant_gives_the_default_completions(cli):
-    from demo_task import make_prompts
-
-    args = ["generate", "--max-new-tokens", "8"]
-    for prompt, _ in make_prompts(3, seed=5):
-        args += ["--prompt", prompt]
-    default, invariant = cli(args), cli(args + ["--batch-invariant"])
-    assert default.returncode == 0 and invariant.returncode == 0, invariant.stderr[-2000:]
-    assert invariant.stdout == default.stdout
-
-
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        pytest.param(
-            ["--backend", "mindspore"],
-            "batch_invariant=True is not supported by backend='mindspore'",
-            marks=pytest.mark.slow,  # importing MindSpore: 10 s
-        ),
-        (["--input", "in.jsonl", "--output", "out.jsonl"], "--batch-invariant runs --input jobs with --batching fixed"),
-    ],
-)
-def test_cli_batch_invariant_refusals_are_one_line_exit_2(cli, tmp_path, monkeypatch, extra, message):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "in.jsonl").write_text('{"prompt": "1+1="}\n')
-    args = ["generate", "--batch-invariant"] + (["--prompt", "1+1="] if "--input" not in extra else []) + extra
-    result = cli(args)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert all(v == "sum" or v.startswith("plain+rows:") for v in plan.choices.values())  # kernels="plain"
 
 
 def test_row_quanta_are_recorded_in_a_plan_of_their_own_and_pinnable(checkpoint_dir, tmp_path, monkeypatch):
@@ -259,3 +228,26 @@ def test_row_quanta_are_recorded_in_a_plan_of_their_own_and_pinnable(checkpoint_
     default.kernel_plan.save(tmp_path / "default.json")
     with pytest.raises(ValueError, match="is for backend 'torch', not 'torch-invariant'"):
         load_model(path, backend="torch", batch_invariant=True, kernels=str(tmp_path / "default.json"))
+
+
+@pytest.mark.parametrize("kernel", ["plain+rows:4", "blocked:256+rows:4"])
+def test_a_pinned_kernel_projects_each_row_alike_among_any_rows(kernel):
+    from hyper_gen.backends.torch.invariant_products import InvariantKernels, plan_key
+    from hyper_gen.kernel_plan import KernelPlan
+
+    w_t = torch.randn(1024, 512, generator=torch.Generator().manual_seed(0)).t()  # (in, out) of (out, in) memory
+    kernels = InvariantKernels(KernelPlan("torch-invariant", "", "pinned", {plan_key(w_t, False): kernel}))
+    w = kernels.layout(w_t)
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([kernels.project(x[i : i + 1], w) for i in range(37)])
+    for rows in (2, 5, 11, 37):
+        assert torch.equal(kernels.project(x[:rows], w), alone[:rows]), rows
+    assert kernels.used_plan().choices == {plan_key(w_t, False): kernel}
+
+
+def test_a_pinned_plan_with_a_kernel_this_mode_does_not_run_is_refused():
+    from hyper_gen.backends.torch.invariant_products import InvariantKernels
+    from hyper_gen.kernel_plan import KernelPlan
+
+    with pytest.raises(ValueError, match="is not a torch-invariant kernel"):
+        InvariantKernels(KernelPlan("torch-invariant", "", "pinned", {"invariant 8x8 float32 cpu matrix": "onednn"}))
