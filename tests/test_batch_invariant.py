@@ -251,3 +251,15 @@ def test_a_pinned_plan_with_a_kernel_this_mode_does_not_run_is_refused():
 
     with pytest.raises(ValueError, match="is not a torch-invariant kernel"):
         InvariantKernels(KernelPlan("torch-invariant", "", "pinned", {"invariant 8x8 float32 cpu matrix": "onednn"}))
+
+
+def test_a_pinned_block_width_that_does_not_divide_the_output_is_refused():
+    from hyper_gen.backends.torch.invariant_products import InvariantKernels, plan_key
+    from hyper_gen.kernel_plan import KernelPlan
+
+    w_t = torch.zeros(1000, 512).t()
+    kernels = InvariantKernels(
+        KernelPlan("torch-invariant", "", "pinned", {plan_key(w_t, False): "blocked:256+rows:4"})
+    )
+    with pytest.raises(ValueError, match="column blocks need a matrix whose output size the width divides"):
+        kernels.layout(w_t)

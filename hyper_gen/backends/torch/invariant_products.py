@@ -102,8 +102,8 @@ def choose(w_t: torch.Tensor, fixed: bool, timed: bool) -> str:
     candidates = ["plain"]
     if timed and not fixed and w_t.dtype == torch.float32 and w_t.device.type == "cpu":
         if inner * out >= BLOCKED_MIN_ELEMENTS:
-            columns = min(out, PROBE_COLUMNS)
-            candidates += [f"blocked:{width}" for width in WIDTHS if width < columns and columns % width == 0]
+            widths = [width for width in WIDTHS if width < min(out, PROBE_COLUMNS) and out % width == 0]
+            candidates += [f"blocked:{width}" for width in widths]
     passing = {}
     for kernel in candidates:
         quantum = smallest_quantum(kernel, w_t if fixed else stored(kernel, w_t))
@@ -154,8 +154,12 @@ class InvariantKernels:
                     f"batch_invariant: no row quantum in {QUANTA} keeps the rows of a {tuple(w2.shape)} "
                     f"{w2.dtype} product identical on this host ({key!r}); this device is not supported"
                 )
-            if not fixed and kernel.startswith("blocked:") and w_t.dim() > 2:
-                raise ValueError(f"kernel plan {self.plan.path!r}: {key!r} -> {kernel!r}: a stack runs plain")
+            width = block_width(kernel.split("+")[0])
+            if width and (fixed or w_t.dim() > 2 or w_t.shape[-1] % width):
+                raise ValueError(
+                    f"kernel plan {self.plan.path!r}: {key!r} -> {kernel!r}: column blocks need a matrix "
+                    "whose output size the width divides"
+                )
             self.plan_keys.add(key)
             w_stored = w_t if fixed else stored(kernel, w_t)
             quantum = 0 if kernel == "sum" else int(kernel.split(":")[-1])
