@@ -27,7 +27,7 @@ from .models import SHAPES, make_checkpoint, prompt_batch
 def add_parser(sub):
     from .arguments import CACHE_DIR, add_command, positive, positive_list
 
-    parser = add_command(sub, "invariance", "batch-invariant vs default mode: decode tokens/s, rollout vs score()")
+    parser = add_command(sub, "invariance", "batch-invariant vs default: tok/s, logprob gap")
     parser.add_argument("--shape", default="mid", choices=["mid", "0.8b"], help="checkpoint shape")
     parser.add_argument("--batches", type=positive_list, default=(1, 16), help="decode batch sizes, comma-separated")
     parser.add_argument("--prompt-len", type=positive, default=32, help="the longest prompt (the shortest is 1/4)")
