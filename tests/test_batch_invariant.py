@@ -263,3 +263,19 @@ def test_a_pinned_block_width_that_does_not_divide_the_output_is_refused():
     )
     with pytest.raises(ValueError, match="column blocks need a matrix whose output size the width divides"):
         kernels.layout(w_t)
+
+
+def test_update_weights_writes_the_invariant_models_own_parameters(checkpoint_dir):
+    """update_weights (an RL trainer on another process) reaches the mode's parameters (norm weights,
+    A_log included): the updated model's logits are a fresh load's of the new weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    from hyper_gen import update_weights
+
+    old, new = make_checkpoint(checkpoint_dir, "dense"), make_checkpoint(checkpoint_dir, "dense", seed=1)
+    model = load_model(old, backend="torch", batch_invariant=True, kernels="plain")
+    update_weights(model, load_file(f"{new}/model.safetensors"))
+    fresh = load_model(new, backend="torch", batch_invariant=True, kernels="plain")
+    ids = torch.from_numpy(np.random.default_rng(6).integers(8, 90, size=(3, 9)))
+    with torch.no_grad():
+        assert torch.equal(model(ids)["logits"], fresh(ids)["logits"])
