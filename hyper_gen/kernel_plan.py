@@ -91,10 +91,15 @@ class KernelPlan:
         recorded = _read(spec, backend)
         return cls(backend, recorded.get("host", key), "pinned", recorded.get("choices", {}), spec)
 
-    def choose(self, key: str, measure: Callable[[], str], plain: str = "plain") -> str:
+    def choose(self, key: str, measure: Callable[[], str], plain: Optional[str] = "plain") -> str:
         """The kernel for ``key``: ``plain`` under "plain", the recorded one if any, else (auto)
-        ``measure()``, timed once for this host under the cache's lock and written back."""
+        ``measure()``, timed once for this host under the cache's lock and written back. ``plain=None``:
+        a choice that is a checked property rather than a speed (a batch-invariant row quantum), made
+        by ``measure()`` under "plain" too, and kept in the plan (not on disk)."""
         if self.mode == "plain":
+            if plain is None:
+                self.choices.setdefault(key, str(measure()))
+                return self.choices[key]
             return plain
         if key in self.choices:
             return self.choices[key]

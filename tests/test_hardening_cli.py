@@ -30,6 +30,7 @@ COMMANDS = (
     "offline",
     "update",
     "logprobs",
+    "invariance",
     "engine",
     "rl",
     "text",

@@ -19,6 +19,8 @@
 - ``offline``: a JSONL job with in-flight batching vs fixed micro-batches, on mixed output lengths.
 - ``update``: ``update_weights`` with every tensor of a checkpoint vs ``load_model`` of it.
 - ``logprobs``: float32 rollout logprobs vs ``score()`` of the same tokens, against a float64 reference.
+- ``invariance``: batch-invariant mode vs default: decode tokens/s at batch 1 and 16, prefill, and
+  the rollout-vs-``score()`` logprob gap in each mode (torch).
 - ``engine``: the paged engine: prefix caching on vs off, peak cache bytes vs live tokens, running
   rows' latency while a long prompt is prefilled in chunks, a GRPO group vs generate and HF, what
   paging costs a decode step, a long-context decode step vs generate's static cache, a mixed
@@ -30,7 +32,7 @@
 - ``text``: the engine's output processing (incremental detokenization, stop strings) per generated
   token at 256 and 16,384 tokens: a cost that grows with the output would show as a ratio above 1.
 
-Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|router|offline|update|logprobs|engine|rl|text]
+Run: ``hyper-gen bench [loop|hf|models|tp|cp|rollout|serve|router|offline|update|logprobs|invariance|engine|rl|text]
 ...`` (``loop`` when none is named) or ``python -m hyper_gen.bench ...``; ``hyper-gen bench <command>
 --help`` explains every flag with its default. MindSpore's and transformers' own logs are errors
 only (``GLOG_v=3``, unless set), as in the rest of the CLI; ``-v`` shows them.
@@ -128,6 +130,7 @@ def build_parser() -> OneLineParser:
     rollout.add_argument("--threads", type=positive, default=1, help="torch threads per rank")
     rollout.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     from .engine import add_parser as add_engine_parser
+    from .invariance import add_parser as add_invariance_parser
     from .logprobs import add_parser as add_logprobs_parser
     from .offline import add_parser as add_offline_parser
     from .rl_server import add_parser as add_rl_parser
@@ -141,6 +144,7 @@ def build_parser() -> OneLineParser:
     add_offline_parser(sub)
     add_update_parser(sub)
     add_logprobs_parser(sub)
+    add_invariance_parser(sub)
     add_engine_parser(sub)
     add_rl_parser(sub)
     add_text_parser(sub)
@@ -188,6 +192,10 @@ def _run(argv=None) -> None:
         from .router import run_router_bench
 
         run_router_bench(args)
+    elif args.which == "invariance":
+        from .invariance import run_invariance
+
+        run_invariance(args)
     elif args.which == "logprobs":
         from .logprobs import run_logprobs
 

@@ -26,8 +26,17 @@ from hyper_gen.parallel.launcher import (
 )
 
 
-def add_model_flags(parser):
+def add_model_flags(parser, batch_invariant: bool = False):
+    """The model flags; ``batch_invariant``: also ``--batch-invariant`` (where the command runs the
+    model through generate(), whose batch-invariant mode the engine does not serve yet)."""
     parser.add_argument("--model", default=None, help="local HF checkpoint folder (default: the bundled demo model)")
+    if batch_invariant:
+        parser.add_argument(
+            "--batch-invariant",
+            action="store_true",
+            help="load the model in batch-invariant mode: each prompt's tokens and logprobs are the same bits "
+            "alone or in any batch (torch native Qwen3.5, tp = cp = 1; slower)",
+        )
     parser.add_argument("--backend", default="torch", help="torch | mindspore (default: %(default)s)")
     parser.add_argument(
         "--dtype", default="float32", help="float32 | float64 | float16 | bfloat16 (default: %(default)s)"
@@ -134,8 +143,11 @@ def load_everything(args):
     if cp < 1:
         raise UsageError(f"--cp must be >= 1, got {cp}")
     shard = getattr(args, "shard", "none")
+    invariant = getattr(args, "batch_invariant", False)
     if shard != "none":
         _check_shard(args, shard, cp)
+        if invariant:
+            raise UsageError("--batch-invariant loads the native model; it does not combine with --shard")
     try:
         timeout_s = collective_timeout_s(getattr(args, "timeout", None))
     except ValueError as exc:
@@ -155,6 +167,7 @@ def load_everything(args):
                 tp=args.tp,
                 cp=cp,
                 cp_strategy=getattr(args, "cp_strategy", "allgather"),
+                **({"batch_invariant": True} if invariant else {}),
             )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None

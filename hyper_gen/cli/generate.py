@@ -33,6 +33,9 @@ def run_generate(args) -> int:
             ) from None
     if args.output and not args.input:
         raise UsageError("--output is for --input FILE.jsonl jobs; --prompt prints to stdout")
+    if args.batch_invariant and args.input and args.batching == "inflight":
+        # inflight jobs run on the engine, whose steps are not batch-invariant yet
+        raise UsageError("--batch-invariant runs --input jobs with --batching fixed (inflight runs on the engine)")
     # the job's paths and files are checked before the model loads, by every rank alike
     job = open_job(args.input, args.output) if args.input else None
     generation_config(args, {})  # the sampling flags checked before any framework loads (no defaults needed)

@@ -40,7 +40,7 @@ def build_parser() -> OneLineParser:
         help="JSONL jobs: refill finished rows at every step (inflight, default) or run fixed micro-batches",
     )
     gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    add_model_flags(gen)
+    add_model_flags(gen, batch_invariant=True)
     add_sampling_flags(gen)
     chat = sub.add_parser("chat", help="interactive streaming chat (rank 0 reads stdin)")
     add_model_flags(chat)

@@ -43,6 +43,7 @@ def load_model(
     cp: int = 1,
     cp_strategy: str = "allgather",
     kernels=None,
+    batch_invariant: bool = False,
 ):
     """Load a checkpoint folder as a native ``backend`` model in ``dtype``.
 
@@ -73,12 +74,20 @@ def load_model(
     (default, or ``$HYPER_GEN_KERNELS``) times each shape once per host and caches the choice on
     disk, so every process on the host runs the same kernels; "plain" runs the framework's plain
     products; a ``.json`` path pins a plan recorded with ``model.kernel_plan.save(path)``.
+
+    ``batch_invariant``: True loads the model in batch-invariant mode (torch native ports, tp = cp =
+    1, for now): a row's logits are the same bits alone or among any other rows, padded or not, in
+    one prefill, in chunks or one token at a time, so ``generate(..., output_logprobs=True)``'s raw
+    logprobs equal ``score()``'s and the model's own full-sequence forward's bit for bit; its
+    parameters require grad (the trainer trains this object). Slower (docs/performance.md).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an int >= 1, got {tp!r}")
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be an int >= 1, got {cp!r}")
     check_strategy(cp_strategy)
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
     kernels = kernel_plan.check_spec(kernels)
     registry.check_name(backend)
     adapter = registry.adapter(backend)
@@ -96,17 +105,35 @@ def load_model(
     family = family_for(checkpoint)
     config = family.config_from_checkpoint(checkpoint)
     port = importlib.import_module(f"{adapter.models.__name__}.{family.NAME}")
+    extra = {}
+    if batch_invariant:
+        _check_batch_invariant(adapter, port, family, tp, cp)
+        extra["batch_invariant"] = True
     if cp_strategy == "ulysses":
         _check_ulysses(tp, cp, family, config)
     if cp > 1:
         plan, cp_plan = _join_mesh_job(adapter, tp, cp, family, config, cp_strategy)
-        model = port.load(checkpoint, dtype, device=device, plan=plan, group=None, cp_plan=cp_plan, kernels=kernels)
+        model = port.load(
+            checkpoint, dtype, device=device, plan=plan, group=None, cp_plan=cp_plan, kernels=kernels, **extra
+        )
     else:
         plan = _join_tp_job(adapter, tp, family, config) if tp > 1 else None
-        model = port.load(checkpoint, dtype, device=device, plan=plan, group=None, kernels=kernels)
+        model = port.load(checkpoint, dtype, device=device, plan=plan, group=None, kernels=kernels, **extra)
     model.generation_defaults = generation_defaults(checkpoint)
     model.weight_source = WeightSource(checkpoint, family)  # for update_weights
     return model
+
+
+def _check_batch_invariant(adapter, port, family, tp: int, cp: int) -> None:
+    """batch_invariant=True where a port declares ``BATCH_INVARIANT`` (one device for now), else a
+    ValueError naming what does not support it, before any weight is read."""
+    if not getattr(port, "BATCH_INVARIANT", False):
+        raise ValueError(
+            f"batch_invariant=True is not supported by backend={adapter.NAME!r} for {family.NAME} models yet; "
+            "use backend='torch' (native Qwen3.5 dense and MoE) or batch_invariant=False"
+        )
+    if tp > 1 or cp > 1:
+        raise ValueError(f"batch_invariant=True runs on one device for now (tp=1, cp=1), got tp={tp}, cp={cp}")
 
 
 def _check_launcher_backend(adapter, ranks: int) -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_gen.backends.torch import invariant_ops
 from hyper_gen.backends.torch.kernels import PLAIN
 from hyper_gen.backends.torch.layers import compute_dtype, gated_rms_norm, l2_normalise
 from hyper_gen.models.qwen3_5 import Qwen3_5Config
@@ -139,13 +140,18 @@ class GatedDeltaNet(nn.Module):
     The q|k|v part goes through a depthwise causal conv1d (kernel K) + SiLU; the conv state is
     the last K-1 pre-conv positions, (B, q|k|v channels, K-1). Recurrent state (B, Hv, Dk, Dv)
     in float32 (float64 in a float64 model).
+
+    With batch-invariant kernels (``kernels.invariant``) every step is ``invariant_ops``' (the causal
+    conv as one sum for prefill and decode, the recurrent delta rule for every position) and the
+    module is trainable: ``A_log`` is a parameter and ``-exp(A_log)`` is computed each call.
     """
 
     kernels = PLAIN  # the model's TorchKernels, set by load
 
-    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: GatedDeltaNetShard):
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: GatedDeltaNetShard, trainable: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
+        self.trainable = trainable
         self.num_k_heads = shard.num_k_heads  # this rank's heads (all of them at tp 1)
         self.num_v_heads = shard.num_v_heads
         self.head_k_dim = config.linear_key_head_dim
@@ -161,7 +167,10 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Parameter(torch.empty(config.hidden_size, self.num_v_heads))
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel_size))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
-        self.register_buffer("neg_decay_rate", torch.empty(self.num_v_heads, dtype=torch.float32))  # -exp(A_log)
+        if trainable:
+            self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        else:
+            self.register_buffer("neg_decay_rate", torch.empty(self.num_v_heads, dtype=torch.float32))  # -exp(A_log)
         self.norm_weight = nn.Parameter(torch.empty(self.head_v_dim))
         self.out_proj = nn.Parameter(torch.empty(self.value_dim, config.hidden_size))
 
@@ -169,7 +178,10 @@ class GatedDeltaNet(nn.Module):
         if packing is None and prompt_mask is not None:  # left padding adds nothing to conv or recurrent state
             x = (x * prompt_mask[:, :, None]).to(x.dtype)
         mixed, z = self.kernels.project(x, self.in_proj).split([self.conv_dim, self.value_dim], dim=-1)
-        beta, decay = x @ self.in_proj_b, x @ self.in_proj_a
+        if self.kernels.invariant:
+            beta, decay = self.kernels.project(x, self.in_proj_b), self.kernels.project(x, self.in_proj_a)
+        else:
+            beta, decay = x @ self.in_proj_b, x @ self.in_proj_a
         if isinstance(packing, GroupedPacking):  # each group's rows run the conv and delta rule on their own
             split = [self.conv_dim, self.num_v_heads, self.num_v_heads]
 
@@ -185,8 +197,9 @@ class GatedDeltaNet(nn.Module):
             if packing is not None:
                 out = packing.pack(out)
         shape = z.shape
+        invariant = invariant_ops if self.kernels.invariant else None
         out = gated_rms_norm(
-            out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps
+            out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight, self.eps, invariant
         )
         return self.kernels.project(out.reshape(shape), self.out_proj)
 
@@ -206,8 +219,14 @@ class GatedDeltaNet(nn.Module):
         query = query.reshape(b, s, -1, self.head_k_dim)
         key = key.reshape(b, s, -1, self.head_k_dim)
         value = value.reshape(b, s, -1, self.head_v_dim)
-        beta = beta.sigmoid()
-        decay = self.neg_decay_rate * F.softplus(decay.to(self.neg_decay_rate.dtype) + self.dt_bias)
+        if self.kernels.invariant:
+            wide = compute_dtype(beta.dtype)
+            beta = invariant_ops.sigmoid(beta.to(wide)).to(beta.dtype)
+            neg_decay_rate = -self.A_log.to(wide).exp() if self.trainable else self.neg_decay_rate
+            decay = neg_decay_rate * invariant_ops.softplus(decay.to(wide) + self.dt_bias)
+        else:
+            beta = beta.sigmoid()
+            decay = self.neg_decay_rate * F.softplus(decay.to(self.neg_decay_rate.dtype) + self.dt_bias)
 
         out, recurrent_state = self._delta_rule(
             query, key, value, decay, beta, recurrent_state, cp_step if sharded else None, packing
@@ -220,6 +239,13 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, mixed: torch.Tensor, state: Optional[torch.Tensor]):
         """Depthwise causal conv + SiLU of (B, C, S); returns it and the new (B, C, K-1) state."""
         keep = self.kernel_size - 1
+        if self.kernels.invariant:  # one sum for prefill, chunks and decode windows
+            if state is None:
+                state = mixed.new_zeros(*mixed.shape[:-1], keep)
+            full = torch.cat([state.to(mixed.dtype), mixed], dim=-1)
+            wide = compute_dtype(mixed.dtype)
+            out = invariant_ops.causal_conv(full.to(wide), self.conv_weight.to(wide), mixed.shape[-1])
+            return invariant_ops.silu(out.to(mixed.dtype)), full[..., -keep:].contiguous()
         if state is not None and mixed.shape[-1] == 1:
             window = torch.cat([state, mixed], dim=-1)  # (B, C, K)
             out = (window * self.conv_weight).sum(dim=-1, keepdim=True)
@@ -261,9 +287,13 @@ class GatedDeltaNet(nn.Module):
             t.transpose(1, 2).to(compute_dtype(dtype), memory_format=torch.contiguous_format)
             for t in (query, key, value, beta, decay)
         )
-        query = l2_normalise(query)
-        key = l2_normalise(key)
-        if state is not None and query.shape[2] == 1:
+        normalise = invariant_ops.l2_normalise if self.kernels.invariant else l2_normalise
+        query = normalise(query)
+        key = normalise(key)
+        if self.kernels.invariant:  # every position by the recurrent step: prefill = decode, bit for bit
+            query = query / (query.shape[-1] ** 0.5)
+            out, state = invariant_ops.recurrent_delta_rule(query, key, value, decay, beta, state)
+        elif state is not None and query.shape[2] == 1:
             query = query / (query.shape[-1] ** 0.5)
             step = (t[:, :, 0] for t in (query, key, value, decay, beta))
             out, state = recurrent_gated_delta_step(*step, state)

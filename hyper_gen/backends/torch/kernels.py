@@ -158,7 +158,10 @@ def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 class TorchKernels:
     """One model's projections: the plan's kernel for each planned (in, out) shape, chosen while the
-    weights load (``layout``), and the oneDNN copies within the budget. ``project(x, w)`` runs it."""
+    weights load (``layout``), and the oneDNN copies within the budget. ``project(x, w)`` runs it.
+    (``invariant_products.InvariantKernels`` is batch-invariant mode's, with the same interface.)"""
+
+    invariant = False
 
     def __init__(self, plan: KernelPlan, budget: Optional[int] = None):
         plan.check(allowed)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_gen.backends.torch import invariant_ops
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """What HF's float32 steps run in: float32 as HF's, float64 in a float64 model (no float32 islands)."""
@@ -21,26 +23,44 @@ class ZeroCentredRMSNorm(nn.Module):
     """``x / rms(x) * (1 + w)``, computed in ``compute_dtype`` and cast back (HF Qwen3_5RMSNorm).
 
     ``scale`` = ``1 + w`` in that dtype is precomputed at load (a buffer, so ``parameters()`` keeps
-    the model dtype); it is bitwise what HF computes each call."""
+    the model dtype); it is bitwise what HF computes each call. A ``trainable`` norm (batch-invariant
+    mode) holds HF's ``weight`` as a parameter instead and computes ``1 + w`` each call (the same bits)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, trainable: bool = False):
         super().__init__()
         self.eps = eps
-        self.register_buffer("scale", torch.empty(dim, dtype=torch.float32))
+        self.trainable = trainable
+        if trainable:
+            self.weight = nn.Parameter(torch.empty(dim))
+        else:
+            self.register_buffer("scale", torch.empty(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(self.scale.dtype)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.scale).type_as(x)
+        if self.trainable:
+            wide = compute_dtype(x.dtype)
+            scale = 1.0 + self.weight.to(wide)
+        else:
+            wide, scale = self.scale.dtype, self.scale
+        h = x.to(wide)
+        if self.trainable:  # batch-invariant mode's: a fixed-order sum
+            h = invariant_ops.rms_normalise(h, self.eps)
+        else:
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * scale).type_as(x)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gated DeltaNet output norm: ``w * x / rms(x) * silu(gate)`` (HF Qwen3_5RMSNormGated)."""
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, invariant=None):
+    """Gated DeltaNet output norm: ``w * x / rms(x) * silu(gate)`` (HF Qwen3_5RMSNormGated);
+    ``invariant``: the ``invariant_ops`` module, whose sum and silu batch-invariant mode runs."""
     dtype, wide = x.dtype, compute_dtype(x.dtype)
     h = x.to(wide)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if invariant is not None:
+        h = invariant.rms_normalise(h, eps)
+    else:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    silu = F.silu if invariant is None else invariant.silu
     h = weight * h.to(dtype)
-    h = h * F.silu(gate.to(wide))
+    h = h * silu(gate.to(wide))
     return h.to(dtype)
 
 

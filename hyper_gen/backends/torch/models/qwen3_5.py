@@ -18,10 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hyper_gen.backends.torch import paged_kernel
+from hyper_gen.backends.torch import invariant_ops, paged_kernel
 from hyper_gen.backends.torch.context_parallel import all_to_all
 from hyper_gen.backends.torch.devices import resolve_device
 from hyper_gen.backends.torch.gated_deltanet import GatedDeltaNet
+from hyper_gen.backends.torch.invariant_products import InvariantKernels
 from hyper_gen.backends.torch.kernels import PLAIN, TorchKernels, budget_bytes
 from hyper_gen.backends.torch.layers import (
     ZeroCentredRMSNorm,
@@ -58,6 +59,8 @@ from hyper_gen.parallel.sharded_model import set_parallel, whole_vocabulary
 from hyper_gen.parallel.tp_plan import TPPlan
 from hyper_gen.token_packing import GroupedPacking, TokenPacking
 
+BATCH_INVARIANT = True  # load(batch_invariant=True) is supported (hyper_gen.models.loading)
+
 # ---------------------------------------------------------------------------------- attention
 
 
@@ -67,7 +70,7 @@ class GatedAttention(nn.Module):
 
     kernels = PLAIN  # the model's TorchKernels, set by load
 
-    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: AttentionShard):
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: AttentionShard, trainable: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = shard.num_heads  # this rank's heads (all of them at tp 1)
@@ -78,8 +81,8 @@ class GatedAttention(nn.Module):
         # (in, out) like every matrix here; columns: q_proj (per head [query | gate]) | k_proj | v_proj
         self.qkv_proj = nn.Parameter(torch.empty(config.hidden_size, 2 * h * d + 2 * kv * d))
         self.o_proj = nn.Parameter(torch.empty(h * d, config.hidden_size))
-        self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
-        self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
+        self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps, trainable)
+        self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps, trainable)
 
     def forward(self, x, cos, sin, attention_mask, cache, cp_step: Optional[CPStep] = None, packing=None):
         projected = self.kernels.project(x, self.qkv_proj)
@@ -114,7 +117,8 @@ class GatedAttention(nn.Module):
                 )
             else:
                 out = self._attend(query, key, value, attention_mask)
-        return out.transpose(1, 2).reshape(b, s, h * d) * torch.sigmoid(gate)
+        sigmoid = invariant_ops.sigmoid_like if self.kernels.invariant else torch.sigmoid
+        return out.transpose(1, 2).reshape(b, s, h * d) * sigmoid(gate)
 
     def _attend_context_parallel(self, query, key, value, mask, cache, step: CPStep):
         """Sharded prefill: this rank's queries over every rank's K/V (one all-gather of K|V), the
@@ -181,6 +185,8 @@ class GatedAttention(nn.Module):
         return out.reshape(b, h, s, d), lse.reshape(b, h, s, 1)
 
     def _attend(self, query, key, value, mask):
+        if self.kernels.invariant:
+            return invariant_ops.attention(query, key, value, mask, self.scale, compute_dtype(query.dtype))
         b, h, s, d = query.shape
         kv = key.shape[1]  # this layer's KV heads (Ulysses: this rank's share of them)
         groups = h // kv
@@ -210,7 +216,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         gate, up = self.kernels.project(x, self.gate_up_proj).chunk(2, dim=-1)
-        return self.kernels.project(F.silu(gate) * up, self.down_proj)
+        silu = invariant_ops.silu if self.kernels.invariant else F.silu
+        return self.kernels.project(silu(gate) * up, self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -235,13 +242,23 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.kernels.project(x, self.router)
-        probs = F.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
+        invariant = self.kernels.invariant
+        if invariant:
+            probs = invariant_ops.softmax(logits.to(compute_dtype(logits.dtype)))
+        else:
+            probs = F.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.routes is not None:
             self.routes.append(experts)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
-        out = self._experts(x, experts, weights)
-        out = out + torch.sigmoid(self.kernels.project(x, self.shared_expert_gate)) * self.shared_expert(x)
+        total = invariant_ops.tree_sum(weights) if invariant else weights.sum(dim=-1, keepdim=True)
+        weights = (weights / total).to(logits.dtype)
+        if self.kernels.invariant:
+            out = self._experts_invariant(x, experts, weights)
+            sigmoid = invariant_ops.sigmoid_like
+        else:
+            out = self._experts(x, experts, weights)
+            sigmoid = torch.sigmoid
+        out = out + sigmoid(self.kernels.project(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out.reshape(shape)
 
     def _experts(self, x, experts, weights):
@@ -263,17 +280,38 @@ class SparseMoE(nn.Module):
         out = out * weights.reshape(-1, 1).index_select(0, order)
         return torch.zeros_like(x).index_add_(0, token, out)
 
+    def _experts_invariant(self, x, experts, weights):
+        """``_experts`` through the batch-invariant products (each expert's rows padded to its
+        quantum), out of place (autograd); a token's expert outputs are added in expert order."""
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // self.top_k
+        routed = x.index_select(0, token)
+        outs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = routed[start : start + count]
+            gate, up = self.kernels.project(rows, self.experts_gate_up[expert]).chunk(2, dim=-1)
+            outs.append(self.kernels.project(invariant_ops.silu(gate) * up, self.experts_down[expert]))
+            start += count
+        out = torch.cat(outs) * weights.reshape(-1, 1).index_select(0, order)
+        return torch.zeros_like(x).index_add(0, token, out)
+
 
 # -------------------------------------------------------------------------------------- model
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3_5Config, layer_idx: int, shard: LayerShard, rank_sum: RankSum):
+    def __init__(
+        self, config: Qwen3_5Config, layer_idx: int, shard: LayerShard, rank_sum: RankSum, trainable: bool = False
+    ):
         super().__init__()
         self.is_linear = shard.is_linear
-        self.input_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mixer = (GatedDeltaNet if self.is_linear else GatedAttention)(config, layer_idx, shard.mixer)
-        self.post_attention_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps, trainable)
+        self.mixer = (GatedDeltaNet if self.is_linear else GatedAttention)(config, layer_idx, shard.mixer, trainable)
+        self.post_attention_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps, trainable)
         if isinstance(shard.mlp, MoEShard):
             self.mlp = SparseMoE(config.hidden_size, shard.mlp)
         else:
@@ -309,7 +347,9 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Module):
 
     kernels = PLAIN  # the model's TorchKernels, set by load
 
-    def __init__(self, shard: ModelShard, group=None, cp_plan: Optional[CPPlan] = None, cp_group=None):
+    def __init__(
+        self, shard: ModelShard, group=None, cp_plan: Optional[CPPlan] = None, cp_group=None, trainable: bool = False
+    ):
         super().__init__()
         config, plan = shard.config, shard.plan
         self.config = config
@@ -321,9 +361,9 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Module):
         # also the LM head (one copy), read by ``hidden @ embed_tokens``
         self.embed_tokens = nn.Parameter(torch.empty(config.hidden_size, rows))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, layer, self.rank_sum) for i, layer in enumerate(shard.layers)
+            DecoderLayer(config, i, layer, self.rank_sum, trainable) for i, layer in enumerate(shard.layers)
         )
-        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps, trainable)
         # (H, rows); None for tied checkpoints, whose head is ``embed_tokens``
         self.lm_head = None if shard.lm_head is None else nn.Parameter(torch.empty(config.hidden_size, rows))
         self.register_buffer("inv_freq", torch.empty(config.rotary_dim // 2, dtype=torch.float32), persistent=False)
@@ -346,6 +386,8 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Module):
             ops, cache, batch, seq, position_ids, attention_mask, dtype_name(self.dtype)
         )
         prompt_mask = cache.prompt_mask if cache is not None and cache.seq_length == 0 else None
+        if cache is None and self.kernels.invariant:  # a trainer's forward: its padding as score()'s
+            prompt_mask = _real_positions(attention_mask, dtype_name(self.dtype))
         step = None
         if self.context_parallel is not None:
             self.context_parallel.ops = ops  # CP buffers where the model runs
@@ -401,6 +443,14 @@ class Qwen3_5ForCausalLM(RoutedExpertsSource, nn.Module):
         return columns.t().contiguous().view(*ids.shape, -1)  # contiguous: reductions sum in HF's order
 
 
+def _real_positions(attention_mask, dtype: str):
+    """The (B, S) 1/0 mask of the positions some query sees in an additive (B, 1, S, S) mask (a
+    cache-less forward's padding, which Gated DeltaNet must skip as a prefill does), None if every
+    position is real."""
+    visible = (attention_mask == 0).any(dim=2)[:, 0]
+    return None if bool(visible.all()) else visible.to(torch_dtype(dtype))
+
+
 # ------------------------------------------------------------------------------------ loading
 
 
@@ -413,8 +463,9 @@ class _Weights:
     its kernels' layout of its (in, out) view (``TorchKernels.layout``: (in, out)-contiguous, or the
     (out, in) memory for float64, which keeps HF's ``F.linear`` sums, and for column blocks)."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device, kernels: TorchKernels):
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device, kernels, trainable: bool = False):
         self.checkpoint = checkpoint
+        self.trainable = trainable  # batch-invariant mode: norm weights and A_log as HF holds them
         self.kernels = kernels
         self.dtype = dtype
         self.device = device
@@ -449,9 +500,13 @@ def _attention_state(w: _Weights, s: AttentionShard) -> dict:
     return {
         "qkv_proj": w.matrix(s.query_gate, s.key, s.value),  # q_proj (per head [query | gate]) | k | v
         "o_proj": w.matrix(s.o_proj),
-        "q_norm.scale": w.norm_scale(s.q_norm),
-        "k_norm.scale": w.norm_scale(s.k_norm),
+        **{f"q_norm.{k}": v for k, v in _norm_state(w, s.q_norm).items()},
+        **{f"k_norm.{k}": v for k, v in _norm_state(w, s.k_norm).items()},
     }
+
+
+def _norm_state(w: _Weights, piece: Piece) -> dict:
+    return {"weight": w.tensor(piece)} if w.trainable else {"scale": w.norm_scale(piece)}
 
 
 def _gated_deltanet_state(w: _Weights, s: GatedDeltaNetShard) -> dict:
@@ -464,7 +519,10 @@ def _gated_deltanet_state(w: _Weights, s: GatedDeltaNetShard) -> dict:
     conv = w.tensor(s.conv)  # (q|k|v channels, 1, kernel)
     state["conv_weight"] = conv.reshape(conv.shape[0], conv.shape[-1])
     state["dt_bias"] = w.tensor(s.dt_bias)
-    state["neg_decay_rate"] = -w.tensor(s.a_log).to(compute_dtype(w.dtype)).exp()  # model dtype first, as HF
+    if w.trainable:
+        state["A_log"] = w.tensor(s.a_log)
+    else:
+        state["neg_decay_rate"] = -w.tensor(s.a_log).to(compute_dtype(w.dtype)).exp()  # model dtype first, as HF
     state["norm_weight"] = w.tensor(s.norm)
     state["out_proj"] = w.matrix(s.out_proj)
     return state
@@ -491,7 +549,7 @@ def _state(w: _Weights, shard: ModelShard, wanted=lambda unit: True) -> dict:
     """The model's state dict read through ``w``: of the units (a piece, a mixer's or an MLP's shard)
     ``wanted`` accepts (update_weights: those its tensors touch)."""
     rows = lambda name: {"": w.transposed(vocab_rows(w.checkpoint, shard, name, w.read_dtype))}  # noqa: E731
-    norm = lambda piece: {"scale": w.norm_scale(piece)}  # noqa: E731
+    norm = partial(_norm_state, w)
     units = [("embed_tokens", EMBED_TOKENS, rows), ("lm_head", shard.lm_head, rows), ("norm.", shard.final_norm, norm)]
     for i, layer in enumerate(shard.layers):
         q, mixer = f"layers.{i}.", partial(_gated_deltanet_state if layer.is_linear else _attention_state, w)
@@ -520,7 +578,8 @@ def prepare_update(model: Qwen3_5ForCausalLM, checkpoint, names):
     """update_weights' conversion (``hyper_gen.models.weight_update``) and its write: one copy of each
     given tensor into its place in the parameter's own layout (the kernels remake a oneDNN-packed copy
     at its next use: they track each weight's version)."""
-    w = _UpdateWeights(checkpoint, model.dtype, model.device, SimpleNamespace(layout=lambda w_t: w_t))
+    trainable = model.kernels.invariant
+    w = _UpdateWeights(checkpoint, model.dtype, model.device, SimpleNamespace(layout=lambda w_t: w_t), trainable)
     state = _state(w, describe(checkpoint, model.config, model.tp_plan), lambda unit: touches(unit, names))
     params = model.state_dict(keep_vars=True)
     # detach(), not .data: a copy through .data would not bump the weight's version counter, and the
@@ -549,6 +608,7 @@ def load(
     group=None,
     cp_plan: Optional[CPPlan] = None,
     kernels=None,
+    batch_invariant: bool = False,
 ) -> Qwen3_5ForCausalLM:
     """Build the model from an opened checkpoint (``hyper_gen.models.checkpoint.Checkpoint``).
 
@@ -557,12 +617,19 @@ def load(
     whose size and this process's rank must then be ``tp`` and ``plan.rank``).
     ``cp_plan``: a ``CPPlan(cp, rank)`` for context parallelism (``hyper_gen.parallel.cp_plan``):
     the world is then the ``tp x cp`` mesh (``Mesh``: tp innermost), whose tp and cp subgroups are
-    made here (every rank must call this), unless ``group`` is given."""
+    made here (every rank must call this), unless ``group`` is given.
+    ``batch_invariant``: batch-invariant mode (``invariant_products`` / ``invariant_ops``): a row's
+    logits are the same bits whatever else is computed with it, and the model is trainable
+    (parameters require grad; norm weights and ``A_log`` are parameters as in HF). tp = cp = 1 only."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     budget_bytes()  # HYPER_GEN_TORCH_ONEDNN_GEMM_MB read before any work (a bad value is a ValueError)
     paged_kernel.enabled()  # HYPER_GEN_PAGED_KERNEL likewise
-    projections = TorchKernels(KernelPlan.open(kernels, "torch", torch.__version__, torch.get_num_threads()))
+    check_batch_invariant(batch_invariant, plan, cp_plan)
+    # batch-invariant row quanta live in a plan of their own ("torch-invariant": its own host file)
+    backend = "torch-invariant" if batch_invariant else "torch"
+    kernel_plan = KernelPlan.open(kernels, backend, torch.__version__, torch.get_num_threads())
+    projections = InvariantKernels(kernel_plan) if batch_invariant else TorchKernels(kernel_plan)
     device = resolve_device(None if device is None else str(device), dtype)
     config = Qwen3_5Config.from_dict(checkpoint.config)
     shard = describe(checkpoint, config, plan)  # every split checked, before any weight is read
@@ -573,20 +640,32 @@ def load(
             check_ulysses_heads(cp_plan.cp, attention.num_heads, attention.num_kv_heads)
     launch = f"torchrun --nproc_per_node {shard.plan.tp * cp_plan.cp}"
     group, cp_group = shard_groups(TorchOps(), shard.plan, cp_plan, group, launch, "torch", _new_group)
-    w = _Weights(checkpoint, torch_dtype(dtype), device, projections)
+    w = _Weights(checkpoint, torch_dtype(dtype), device, projections, trainable=batch_invariant)
 
     state = _state(w, shard)
+    if batch_invariant:  # b / a are not laid out by the kernels, but projected by them: probed now
+        for key in [k for k in state if k.endswith(("in_proj_b", "in_proj_a"))]:
+            projections.kernel_for(state[key])
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(shard, group, cp_plan, cp_group)
+        model = Qwen3_5ForCausalLM(shard, group, cp_plan, cp_group, trainable=batch_invariant)
     model.load_state_dict(state, strict=True, assign=True)
     for module in model.modules():
         if hasattr(module, "kernels"):
             module.kernels = projections
     model.kernel_plan = projections.used_plan()
     model.inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rope_theta, compute_dtype(w.dtype)).to(device)
-    model.requires_grad_(False)
+    model.requires_grad_(batch_invariant)  # the trainer's own model in batch-invariant mode
+    model.batch_invariant = batch_invariant
     model.generation_defaults = generation_defaults(checkpoint)
     return model.eval()
+
+
+def check_batch_invariant(batch_invariant, plan: Optional[TPPlan], cp_plan: Optional[CPPlan]) -> None:
+    """``batch_invariant`` must be a bool, and (for now) tp = cp = 1."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    if batch_invariant and ((plan is not None and plan.tp > 1) or (cp_plan is not None and cp_plan.cp > 1)):
+        raise ValueError("batch_invariant=True runs on one device (tp=1, cp=1) for now")
 
 
 def _new_group(name, ranks, member):
