@@ -78,14 +78,18 @@ class WeightGroups:
     # ---- the calls: (result, error), the same on every rank ---------------------------------------
     def _join(self, spec: dict, version, written):
         name = spec["group_name"]
-        if name in self.groups:
-            return None, ValueError(f"already in weight update group {name!r}: destroy it first")
-        join = getattr(registry.adapter_of(self.model), "join_weight_group", None)
-        if join is None:
-            return None, ValueError("this model's backend cannot join a torch.distributed weight update group")
         rank = int(spec["rank_offset"]) + self.rank
         args = (spec["master_address"], spec["master_port"], rank, spec["world_size"], name, spec["backend"])
-        group, failures = self._together(lambda: join(self.model, *args, spec["timeout_s"]))
+
+        def join():  # (a refusal is a failure like any other: every rank still takes part in the agreement)
+            if name in self.groups:
+                raise ValueError(f"already in weight update group {name!r}: destroy it first")
+            adapter_join = getattr(registry.adapter_of(self.model), "join_weight_group", None)
+            if adapter_join is None:
+                raise ValueError("this model's backend cannot join a torch.distributed weight update group")
+            return adapter_join(self.model, *args, spec["timeout_s"])
+
+        group, failures = self._together(join)
         if failures:
             if group is not None:
                 group.destroy()
@@ -96,13 +100,18 @@ class WeightGroups:
     def _receive(self, spec: dict, version, written):
         name = spec["group_name"]
         group = self.groups.get(name)
-        if group is None:
-            return None, ValueError(f"unknown weight update group {name!r}")
         specs = list(zip(spec["names"], spec["dtypes"], spec["shapes"]))
-        weights, failures = self._together(lambda: group.receive(specs, spec["timeout_s"], spec["flattened"]))
+
+        def receive():
+            if group is None:
+                raise ValueError(f"unknown weight update group {name!r}")
+            return group.receive(specs, spec["timeout_s"], spec["flattened"])
+
+        weights, failures = self._together(receive)
         if failures:  # the group's state is unknown (a broadcast half done): gone on every rank
-            del self.groups[name]
-            group.destroy()
+            if group is not None:
+                del self.groups[name]
+                group.destroy()
             return None, self._error(failures, f"receiving the update over group {name!r}")
         if spec["drop"]:
             return 0, None
