@@ -25,7 +25,9 @@ most ``timeout_s`` per wait. The groups come from the model's backend adapter
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import registry
@@ -33,6 +35,46 @@ from .messages import resolve
 from .weight_sync import WeightSync
 
 _WORKING, _DONE, _FAILED = 0, 1, 2  # a rank's word while the calls run
+_END = object()  # the receive is over: no more tensors arrive
+
+
+class _Checks:
+    """The received tensors checked one by one as they arrive (``Checker``), on the step thread while
+    the next ones are still on the wire: the check (a pass over every byte) costs the update no time
+    of its own. A bad tensor stops the checking; ``finish()`` raises its error."""
+
+    def __init__(self, model):
+        self.arrived: "queue.Queue" = queue.Queue()
+        self.error: Optional[BaseException] = None
+        self.over = False
+        source = getattr(model, "weight_source", None)
+        try:
+            self.checker = None if source is None else source.checker(model)
+        except Exception as error:
+            self.error = error
+
+    def run(self, seconds: float) -> None:
+        """Check what arrives for up to ``seconds``, or until the receive is over."""
+        until = time.monotonic() + seconds
+        while not self.over:
+            try:
+                item = self.arrived.get(timeout=max(until - time.monotonic(), 0))
+            except queue.Empty:
+                return
+            if item is _END:
+                self.over = True
+            elif self.error is None and self.checker is not None:
+                try:
+                    self.checker.add(item)
+                except Exception as error:
+                    self.error = error
+
+    def finish(self):
+        if self.error is not None:
+            raise self.error
+        if self.checker is None:
+            raise ValueError("update_weights needs a native model loaded by hyper_gen.load_model")
+        return self.checker.finish()
 
 
 def _kind(failures: List[Tuple[int, str, str]]) -> type:
@@ -49,6 +91,7 @@ class WeightGroups:
         self.model, self.weights, self.heartbeat_s = model, weights, heartbeat_s
         self.rank, self.world_size = weights.rank, weights.world_size
         self.groups: Dict[str, object] = {}
+        self._spent = None  # the last update's buffers, dropped after its answer
 
     @property
     def names(self) -> tuple:
@@ -69,6 +112,7 @@ class WeightGroups:
             return
         if message is not None:
             resolve(message, result, error)
+        self._spent = None
 
     def close(self) -> None:
         """Leave every group (the engine shuts down)."""
@@ -101,13 +145,15 @@ class WeightGroups:
         name = spec["group_name"]
         group = self.groups.get(name)
         specs = list(zip(spec["names"], spec["dtypes"], spec["shapes"]))
+        checks = None if spec["drop"] else _Checks(self.model)
 
         def receive():
             if group is None:
                 raise ValueError(f"unknown weight update group {name!r}")
-            return group.receive(specs, spec["timeout_s"], spec["flattened"])
+            arrived = None if checks is None else checks.arrived.put
+            return group.receive(specs, spec["timeout_s"], spec["flattened"], arrived)
 
-        weights, failures = self._together(receive)
+        weights, failures = self._together(receive, checks)
         if failures:  # the group's state is unknown (a broadcast half done): gone on every rank
             if group is not None:
                 del self.groups[name]
@@ -115,7 +161,8 @@ class WeightGroups:
             return None, self._error(failures, f"receiving the update over group {name!r}")
         if spec["drop"]:
             return 0, None
-        update = self.weights.message(self.model, weights, version, defer=True)
+        update = self.weights.message(self.model, weights, version, defer=True, checked=checks.finish)
+        self._spent = [weights, update]  # freed once the caller has its answer (2.9 GB of buffers: ~1 s)
         del weights
         self.weights.apply({"version": update.key, "names": None}, update, lambda seconds: None, written)
         error = update.future.exception()
@@ -129,22 +176,32 @@ class WeightGroups:
         return None, None
 
     # ---- every rank together ------------------------------------------------------------------
-    def _together(self, work: Callable[[], object]) -> Tuple[Optional[object], List[Tuple[int, str, str]]]:
+    def _together(self, work: Callable[[], object], checks: Optional["_Checks"] = None):
         """``work()`` on a helper thread of every rank, the ranks gathering a word each heartbeat until
-        all are done: (this rank's result, [(rank, error kind, message)] of every rank it failed on)."""
+        all are done: (this rank's result, [(rank, error kind, message)] of every rank it failed on).
+        ``checks``: meanwhile this thread checks each tensor ``work`` puts in ``checks.arrived``."""
         box: dict = {}
+        done = threading.Event()
 
         def run():
             try:
                 box["result"] = work()
             except BaseException as error:  # (a timeout, a peer gone): every rank hears of it below
                 box["error"] = error
+            finally:
+                done.set()
+                if checks is not None:
+                    checks.arrived.put(_END)
 
         thread = threading.Thread(target=run, name="hyper_gen-weight-group", daemon=True)
         thread.start()
         while True:
-            thread.join(self.heartbeat_s)
-            word = _WORKING if thread.is_alive() else _FAILED if "error" in box else _DONE
+            if checks is None:
+                done.wait(self.heartbeat_s)
+            else:
+                checks.run(self.heartbeat_s)
+            over = done.is_set() and (checks is None or checks.over)  # (every arrived tensor checked)
+            word = _FAILED if over and "error" in box else _DONE if over else _WORKING
             words = self.weights.gather(word)
             if _WORKING not in words:
                 break

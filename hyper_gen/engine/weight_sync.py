@@ -55,11 +55,13 @@ class WeightSync:
         self._missed: dict = {}  # other ranks: updates whose call never came -> the error (a late call raises)
 
     # ---- the caller's thread -------------------------------------------------------------------
-    def message(self, model, weights, version, defer: bool = False) -> UpdateWeights:
+    def message(self, model, weights, version, defer: bool = False, checked=None) -> UpdateWeights:
         """The checked call as a message. One process: a bad tensor raises here, nothing queued; on
         a multi-rank engine (or with ``defer``: tensors received at the boundary) it is kept in the
         message all the same, since the other ranks must hear of it. A model without a
-        ``weight_source`` (not loaded by ``hyper_gen.load_model``) is a ValueError."""
+        ``weight_source`` (not loaded by ``hyper_gen.load_model``) is a ValueError. ``checked``: a
+        callable giving the update already checked tensor by tensor (``Checker.finish``), instead of
+        checking ``weights`` here."""
         source = getattr(model, "weight_source", None)  # hyper_gen.models.weight_update.WeightSource
         if source is None:
             raise ValueError(
@@ -72,7 +74,7 @@ class WeightSync:
             if missed is not None:  # the late call of an update the ranks already gave up on
                 raise ValueError(missed)
         try:
-            message.update = source.check(model, weights)
+            message.update = checked() if checked is not None else source.check(model, weights)
             message.names = sorted(message.update.arrays)
         except Exception as error:
             if self.world_size == 1 and not defer:

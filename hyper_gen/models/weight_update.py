@@ -171,6 +171,9 @@ class WeightSource:
     def check(self, model, weights: Iterable) -> WeightUpdate:
         return check(model, weights)
 
+    def checker(self, model) -> "Checker":
+        return Checker(model)
+
 
 def check(model, weights: Iterable) -> WeightUpdate:
     """Every ``(name, tensor)`` of ``weights`` checked against the model's checkpoint description:
@@ -178,26 +181,37 @@ def check(model, weights: Iterable) -> WeightUpdate:
     non-finite value; a TypeError for something that is not a tensor. MoE experts are taken in
     either layout (fused as a transformers 5 trainer holds them, or per expert as checkpoints
     name them) and put into the model's (``expert_layouts``). Nothing is converted yet."""
-    source = getattr(model, "weight_source", None)
-    if not isinstance(source, WeightSource):
-        raise ValueError(
-            f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(model).__name__}"
-        )
-    if isinstance(weights, dict):
-        weights = weights.items()
-    shard = source.family.describe(source.checkpoint, model.config, model.tp_plan)
-    shapes = expected_shapes(shard)
-    other = other_layout(shapes)  # the expert layout the model was not loaded from
-    arrays: Dict[str, np.ndarray] = {}
-    translated: Dict[str, tuple] = {}  # a name of ``other`` -> (the caller's name, array)
-    for item in weights:
+    checker = Checker(model)
+    for item in weights.items() if isinstance(weights, dict) else weights:
+        checker.add(item)
+    return checker.finish()
+
+
+class Checker:
+    """``check`` one tensor at a time (``add``), then ``finish()``: a receiver checks each tensor as
+    it arrives, while the next one is still on the wire."""
+
+    def __init__(self, model):
+        source = getattr(model, "weight_source", None)
+        if not isinstance(source, WeightSource):
+            raise ValueError(
+                f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(model).__name__}"
+            )
+        self.model, self.source = model, source
+        shard = source.family.describe(source.checkpoint, model.config, model.tp_plan)
+        self.shapes = expected_shapes(shard)
+        self.other = other_layout(self.shapes)  # the expert layout the model was not loaded from
+        self.arrays: Dict[str, np.ndarray] = {}
+        self.translated: Dict[str, tuple] = {}  # a name of ``other`` -> (the caller's name, array)
+
+    def add(self, item) -> None:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
             raise TypeError(f"update_weights: each item must be a (name: str, tensor) pair, got {item!r:.80}")
         given, tensor = item
         name = normalised_name(given)
         if name.startswith(_SKIPPED_PREFIXES):  # vision tower / MTP weights: not part of the text model
-            continue
-        expected = shapes.get(name, other.get(name))
+            return
+        expected = self.shapes.get(name, self.other.get(name))
         if expected is None:
             raise ValueError(f"update_weights: {given!r} is not a weight of this model's checkpoint")
         array = to_numpy(given, tensor)
@@ -208,24 +222,27 @@ def check(model, weights: Iterable) -> WeightUpdate:
         if not _all_finite(array):
             nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
             raise ValueError(f"update_weights: {given!r} has non-finite values ({nan} NaN, {inf} inf)")
-        if name in arrays or name in translated:
+        if name in self.arrays or name in self.translated:
             raise ValueError(f"update_weights: {given!r} is given twice")
-        if name in shapes:
-            arrays[name] = array
+        if name in self.shapes:
+            self.arrays[name] = array
         else:
-            translated[name] = (given, array)
-    count = len(arrays) + len(translated)
-    if translated:
+            self.translated[name] = (given, array)
 
-        def read(name: str, dtype) -> np.ndarray:  # the model's source's value of a tensor no update changed
-            wide = "float64" if source.checkpoint.stored_dtype(name) in ("F64", "float64") else np.dtype(dtype).name
-            return source.checkpoint.get(name, wide)
+    def finish(self) -> WeightUpdate:
+        source, shapes, arrays, translated = self.source, self.shapes, self.arrays, self.translated
+        count = len(arrays) + len(translated)
+        if translated:
 
-        for name, (given, array) in into_model_layout(translated, shapes, read, source.updated).items():
-            if name in arrays:
-                raise ValueError(f"update_weights: {given!r} and {name!r} both give {name!r}: it is given twice")
-            arrays[name] = array
-    return WeightUpdate(model, source, arrays, count)
+            def read(name: str, dtype) -> np.ndarray:  # the model's source's value of a tensor no update changed
+                wide = "float64" if source.checkpoint.stored_dtype(name) in ("F64", "float64") else np.dtype(dtype).name
+                return source.checkpoint.get(name, wide)
+
+            for name, (given, array) in into_model_layout(translated, shapes, read, source.updated).items():
+                if name in arrays:
+                    raise ValueError(f"update_weights: {given!r} and {name!r} both give {name!r}: it is given twice")
+                arrays[name] = array
+        return WeightUpdate(self.model, source, arrays, count)
 
 
 def model_shapes(model) -> Dict[str, tuple]:
