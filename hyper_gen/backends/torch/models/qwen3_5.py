@@ -509,9 +509,16 @@ class _UpdateWeights(_Weights):
     """update_weights' reads: views of the given tensors where they can be, a fused matrix as ``_Pieces``."""
 
     def matrix(self, *pieces: Piece):
-        if len(pieces) == 1:
-            return super().matrix(*pieces)
-        return _Pieces(self.transposed(self.array(piece)) for piece in pieces)
+        parts = [part for piece in pieces for part in self._rows(piece)]
+        return self.transposed(parts[0]) if len(parts) == 1 else _Pieces(self.transposed(part) for part in parts)
+
+    def _rows(self, piece: Piece) -> list:
+        """A piece's output-row ranges as views of the given tensor (``read`` would concatenate them:
+        a copy of every interleaved projection before the copy into the parameter)."""
+        if piece.ranges is None or len(piece.ranges) < 2 or piece.axis not in (0, -2) or len(piece.shape) != 2:
+            return [self.array(piece)]
+        self.checkpoint.check_shape(piece.name, piece.shape)
+        return [self.checkpoint.get_slice(piece.name, piece.axis, a, b, self.read_dtype) for a, b in piece.ranges]
 
 
 def prepare_update(model: Qwen3_5ForCausalLM, checkpoint, names):
