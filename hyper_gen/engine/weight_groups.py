@@ -49,7 +49,7 @@ class _Checks:
         self.over = False
         source = getattr(model, "weight_source", None)
         try:
-            self.checker = None if source is None else source.checker(model)
+            self.checker = None if source is None else source.checker(model).staging()
         except Exception as error:
             self.error = error
 

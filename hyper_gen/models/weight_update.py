@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from functools import partial
 from typing import Dict, Iterable, Optional, Set
 
 import numpy as np
@@ -75,9 +76,13 @@ class UpdateSource(Checkpoint):
     """The model's checkpoint with the update's arrays laid over it: what a port's load code reads.
     A tensor neither updated now nor ever before is read from ``base`` (the files on disk)."""
 
-    def __init__(self, base: Checkpoint, arrays: Dict[str, np.ndarray], updated_before: Set[str]):
-        # no Checkpoint.__init__: the folder is base's, already opened and checked
+    def __init__(
+        self, base: Checkpoint, arrays: Dict[str, np.ndarray], updated_before: Set[str], keep_strides: bool = False
+    ):
+        # no Checkpoint.__init__: the folder is base's, already opened and checked. keep_strides: a
+        # given array is read as the view it is (a port that stages tensors in its own memory order)
         self.base, self.arrays, self.updated_before = base, arrays, updated_before
+        self.keep_strides = keep_strides
         self.path, self.config, self.full_config = base.path, base.config, base.full_config
         self.architecture, self.generation_config = base.architecture, base.generation_config
 
@@ -104,7 +109,9 @@ class UpdateSource(Checkpoint):
             array = array[tuple(index)]
         narrowed = np.dtype(dtype).itemsize < array.dtype.itemsize  # a float64 past float32's range: inf
         with np.errstate(over="ignore"):
-            array = np.ascontiguousarray(array.astype(dtype, copy=False))
+            array = array.astype(dtype, copy=False)
+        if not self.keep_strides:
+            array = np.ascontiguousarray(array)
         if narrowed and not _all_finite(array):  # (``check`` saw the given values finite)
             raise ValueError(f"update_weights: tensor {name!r} has values past {np.dtype(dtype).name}'s range (inf)")
         return array
@@ -145,8 +152,9 @@ class WeightUpdate:
         self.count = len(arrays) if count is None else count
 
     def prepare(self):
-        overlay = UpdateSource(self.source.checkpoint, self.arrays, self.source.updated)
         port = importlib.import_module(type(self.model).__module__)
+        staged = hasattr(port, "stage_update")
+        overlay = UpdateSource(self.source.checkpoint, self.arrays, self.source.updated, keep_strides=staged)
         write = port.prepare_update(self.model, overlay, set(self.arrays))  # every conversion, nothing written
 
         def commit() -> int:
@@ -203,6 +211,15 @@ class Checker:
         self.other = other_layout(self.shapes)  # the expert layout the model was not loaded from
         self.arrays: Dict[str, np.ndarray] = {}
         self.translated: Dict[str, tuple] = {}  # a name of ``other`` -> (the caller's name, array)
+        self.stage = None
+
+    def staging(self) -> "Checker":
+        """Each checked tensor also laid out as the model keeps it, when its port can
+        (``stage_update(model, name, array)``): a receiver does it while the next tensor is on the
+        wire, and the update's write is then a plain copy instead of a transposing one."""
+        stage = getattr(importlib.import_module(type(self.model).__module__), "stage_update", None)
+        self.stage = None if stage is None else partial(stage, self.model)
+        return self
 
     def add(self, item) -> None:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
@@ -225,7 +242,7 @@ class Checker:
         if name in self.arrays or name in self.translated:
             raise ValueError(f"update_weights: {given!r} is given twice")
         if name in self.shapes:
-            self.arrays[name] = array
+            self.arrays[name] = array if self.stage is None else self.stage(name, array)
         else:
             self.translated[name] = (given, array)
 

@@ -539,6 +539,17 @@ def prepare_update(model: Qwen3_5ForCausalLM, checkpoint, names):
     return write
 
 
+def stage_update(model: Qwen3_5ForCausalLM, name: str, array: np.ndarray) -> np.ndarray:
+    """A received (out, in) matrix in the (in, out) memory the model keeps it in (an (out, in) view of
+    it), made while the next tensor is still on the wire: the update's write then copies rows
+    instead of transposing. Float64 models (kept in (out, in) memory), devices other than the CPU
+    and every other tensor are left as they are."""
+    if array.ndim != 2 or model.device.type != "cpu" or model.dtype == torch.float64 or not array.flags.c_contiguous:
+        return array
+    with _one_thread():
+        return torch.from_numpy(array).t().contiguous().numpy().T
+
+
 @contextlib.contextmanager
 def _one_thread():
     """The calling thread's CPU copies on one thread (OpenMP's count is per thread: a forward on
@@ -566,7 +577,8 @@ def _copy(dst: torch.Tensor, src, block: int = 64) -> None:
             start += piece.shape[-1]
         return
     whole = src.dim() == 2 and dst.is_contiguous() and src.t().is_contiguous()
-    if src.dim() < 2 or src.stride() == dst.stride() or whole or dst.device.type != "cpu":
+    rows = src.stride(-1) == 1 or dst.stride(-1) != 1  # (not a transposing copy)
+    if src.dim() < 2 or rows or whole or dst.device.type != "cpu":
         dst.copy_(src)
         return
     for j in range(0, src.shape[-1], block):
