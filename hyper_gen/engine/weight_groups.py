@@ -40,16 +40,19 @@ _END = object()  # the receive is over: no more tensors arrive
 
 class _Checks:
     """The received tensors checked one by one as they arrive (``Checker``), on the step thread while
-    the next ones are still on the wire: the check (a pass over every byte) costs the update no time
-    of its own. A bad tensor stops the checking; ``finish()`` raises its error."""
+    the next ones are still on the wire, and with ``stage`` laid out as the model keeps them
+    (``Checker.staging``): the check (a pass over every byte) and the transposition cost the update
+    little time of its own. A bad tensor stops the checking; ``finish()`` raises its error."""
 
-    def __init__(self, model):
+    def __init__(self, model, stage: bool):
         self.arrived: "queue.Queue" = queue.Queue()
         self.error: Optional[BaseException] = None
         self.over = False
         source = getattr(model, "weight_source", None)
         try:
-            self.checker = None if source is None else source.checker(model).staging()
+            self.checker = None if source is None else source.checker(model)
+            if stage and self.checker is not None:
+                self.checker.staging()
         except Exception as error:
             self.error = error
 
@@ -145,7 +148,8 @@ class WeightGroups:
         name = spec["group_name"]
         group = self.groups.get(name)
         specs = list(zip(spec["names"], spec["dtypes"], spec["shapes"]))
-        checks = None if spec["drop"] else _Checks(self.model)
+        # (a flattened bucket arrives whole: nothing to overlap, so no staging, which would copy twice)
+        checks = None if spec["drop"] else _Checks(self.model, stage=not spec["flattened"])
 
         def receive():
             if group is None:
