@@ -125,8 +125,10 @@ def test_distributed_update_from_a_trainer_process(torch_server, ids, pushed):
         {"names": ["model.no_such.weight"] + names[1:]},  # a name the model lacks
         {"dtypes": ["int32"] + ["float32"] * (len(names) - 1)},  # a dtype it can't take
     ]
-    out = trainer(server.url, pushed, "step-1", bad)
+    out = trainer(server.url, pushed, "step-1", bad, poison=True)
     assert ok(out["init"])["success"]
+    status, body = out["poisoned"]  # received whole, refused by the check as it arrived: nothing written
+    assert status == 400 and body["error"]["param"] == "names" and "non-finite" in body["error"]["message"], body
     for (status, body), param in zip(out["bad"], ["shapes.0", "names.0", "dtypes.0"]):
         assert status == 400 and body["error"]["param"] == param, body
         assert "not applied" in body["error"]["message"]

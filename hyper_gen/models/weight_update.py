@@ -110,7 +110,7 @@ class UpdateSource(Checkpoint):
         narrowed = np.dtype(dtype).itemsize < array.dtype.itemsize  # a float64 past float32's range: inf
         with np.errstate(over="ignore"):
             array = array.astype(dtype, copy=False)
-        if not self.keep_strides:
+        if not self.keep_strides or min(array.strides, default=0) < 0:  # (torch takes no negative stride)
             array = np.ascontiguousarray(array)
         if narrowed and not _all_finite(array):  # (``check`` saw the given values finite)
             raise ValueError(f"update_weights: tensor {name!r} has values past {np.dtype(dtype).name}'s range (inf)")

@@ -5,6 +5,7 @@ stdin: {"url", "master_port", "group_name", "checkpoint": a folder whose safeten
 [optional, default 2: the trainer and the server's ranks, at rank_offset 1 on], "silent": [optional:
 announce the update, broadcast nothing, and report what the server answers (a timeout) and what a
 second update on the group gets (its group is gone), then leave],
+"poison": [optional: first the good update with its first tensor NaN, expected a 400],
 "bad": [optional extra announced updates expected to be 400s: {"names", "dtypes",
 "shapes"} overrides of the good one, broadcast all the same]}; stdout: one JSON object with each
 HTTP answer ({"init", "bad": [...], "update", "destroy"}: [status, body]). The trainer is rank 0 of
@@ -87,6 +88,12 @@ def main():
             print(f"broadcast of a bad update stopped: {exc}", file=sys.stderr)
         thread.join()
         result["bad"].append(out["answer"])
+    if job.get("poison"):  # the good announcement, its first tensor NaN: refused as it arrives, nothing written
+        thread, out = in_background(url, "/update_weights_from_distributed", update)
+        for i, n in enumerate(names):
+            group.broadcast(torch.full_like(tensors[n], float("nan")) if i == 0 else tensors[n].contiguous(), 60, n)
+        thread.join()
+        result["poisoned"] = out["answer"]
     if job.get("load_format"):
         update["load_format"] = job["load_format"]
     thread, out = in_background(url, "/update_weights_from_distributed", update)
