@@ -35,7 +35,8 @@ Optional, asked for with ``getattr`` (a server answers what an adapter lacks wit
 
 - ``join_weight_group(model, master_address, master_port, rank, world_size, group_name, backend,
   timeout_s)``: join a trainer's weight-update group (SGLang's ``/init_weights_update_group``),
-  returning a group with ``receive(specs, timeout_s)`` and ``destroy()``; ``weight_dtype_is_floating(text)``
+  returning a group with ``receive(specs, timeout_s, flattened, arrived)`` (``arrived(item)`` as
+  each tensor is in) and ``destroy()``; ``weight_dtype_is_floating(text)``
   (a ValueError for a dtype it does not know); ``WEIGHT_GROUP_BACKENDS``.
 - ``group_timeout_s() -> float | None``: the collective timeout of the job's default group as the
   program created it (a chat's heartbeat stays well inside it).

@@ -2,9 +2,10 @@
 them: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (a separate torch process,
 ``dist_scripts/weight_sync_trainer.py``, joins the group over gloo and broadcasts a second
 checkpoint's weights), ``/destroy_weights_update_group``, ``/update_weights_from_tensor`` (base64
-safetensors). After an update ``/generate`` answers what plain ``generate()`` answers on the pushed
-checkpoint, with the new ``weight_version``; every bad request is a 400 naming its field and
-changes nothing; every wait for the trainer is bounded.
+safetensors); the group calls on a torchrun TP=2 server too (both ranks join at ``rank_offset +
+rank``, receive every broadcast and keep their shard). After an update ``/generate`` answers what
+plain ``generate()`` answers on the pushed checkpoint, with the new ``weight_version``; every bad
+request is a 400 naming its field and changes nothing; every wait for the trainer is bounded.
 """
 
 import base64
@@ -86,8 +87,9 @@ def generated(http, ids):
     return [o["output_ids"] for o in out], {o["meta_info"]["weight_version"] for o in out}
 
 
-def trainer(url, checkpoint, version, bad=(), load_format=None):
+def trainer(url, checkpoint, version, bad=(), load_format=None, **more):
     job = {
+        **more,
         "load_format": load_format,
         "url": url,
         "master_port": free_port(),
@@ -123,8 +125,10 @@ def test_distributed_update_from_a_trainer_process(torch_server, ids, pushed):
         {"names": ["model.no_such.weight"] + names[1:]},  # a name the model lacks
         {"dtypes": ["int32"] + ["float32"] * (len(names) - 1)},  # a dtype it can't take
     ]
-    out = trainer(server.url, pushed, "step-1", bad)
+    out = trainer(server.url, pushed, "step-1", bad, poison=True)
     assert ok(out["init"])["success"]
+    status, body = out["poisoned"]  # received whole, refused by the check as it arrived: nothing written
+    assert status == 400 and body["error"]["param"] == "names" and "non-finite" in body["error"]["message"], body
     for (status, body), param in zip(out["bad"], ["shapes.0", "names.0", "dtypes.0"]):
         assert status == 400 and body["error"]["param"] == param, body
         assert "not applied" in body["error"]["message"]
@@ -228,4 +232,61 @@ def test_mindspore_server_takes_tensors_and_refuses_a_torch_group(ids, pushed):
     finally:
         status = server.stop(signal.SIGTERM)
     assert status == 0, server.log
+    assert "Traceback" not in server.log, server.log
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tp2_server_joins_receives_and_keeps_its_shards(ids, pushed, tmp_path):
+    """A torchrun TP=2 server: both ranks join the trainer's group of three (ranks 1 and 2), take every
+    broadcast, and write their own shards at one boundary: greedy tokens then equal one-device
+    generate() on the pushed checkpoint (rank 1's half of every sharded layer included). A trainer that
+    never broadcasts is a bounded 500 and leaves no rank in the group; a bad update is drained on every
+    rank (the trainer is not left hanging) and changes nothing; per tensor and flattened bucket."""
+    from test_server_dist import _torchrun_serve, _worker_pids
+
+    env = dict(_env(), HYPER_GEN_WEIGHT_SYNC_TIMEOUT_S=str(TIMEOUT_S))
+    server = Server(_torchrun_serve("--max-batch-size", "4"), timeout=240, env=env)
+    try:
+        http = Http(server.url)
+        before, versions = generated(http, ids)
+        assert before == expected("torch", DEMO_MODEL_DIR, ids) and versions == {"default"}
+        good = {"master_address": "127.0.0.1", "master_port": free_port(), "group_name": "g"}
+        for change, param in [
+            ({"rank_offset": 1, "world_size": 2}, "world_size"),
+            ({"rank_offset": 2, "world_size": 3}, "rank_offset"),
+        ]:
+            status, body = http.post("/init_weights_update_group", dict(good, **change))
+            assert status == 400 and body["error"]["param"] == param and "2 rank(s)" in body["error"]["message"], body
+        status, body = http.post("/init_weights_update_group", dict(good, rank_offset=1, world_size=3))
+        assert status == 500 and "timed out" in body["error"]["message"], body  # no trainer came: bounded
+
+        silent = trainer(server.url, pushed, "never", world_size=3, silent=True)
+        assert ok(silent["init"])["success"]
+        status, body = silent["update"]
+        assert status == 500 and "timed out" in body["error"]["message"] and "destroyed" in body["error"]["message"]
+        status, body = silent["again"]  # gone on rank 0 (and, as the next join shows, on rank 1)
+        assert status == 400 and body["error"]["param"] == "group_name", body
+
+        from safetensors.numpy import load_file
+
+        names = sorted(load_file(os.path.join(pushed, "model.safetensors")))
+        bad = [{"names": ["model.no_such.weight"] + names[1:]}]
+        out = trainer(server.url, pushed, "tp-1", bad, world_size=3)
+        assert ok(out["init"])["success"], out
+        ((status, body),) = out["bad"]
+        assert status == 400 and body["error"]["param"] == "names.0" and "received and dropped" in str(body), body
+        assert ok(out["update"])["success"] and ok(out["destroy"])["success"], out
+        after, versions = generated(http, ids)
+        assert versions == {"tp-1"} and after == expected("torch", pushed, ids) and after != before
+
+        third = second_checkpoint(tmp_path / "seed3", seed=3)
+        out = trainer(server.url, third, "tp-2", world_size=3, load_format="flattened_bucket")
+        assert ok(out["update"])["success"] and ok(out["destroy"])["success"], out
+        after, versions = generated(http, ids)
+        assert versions == {"tp-2"} and after == expected("torch", third, ids)
+        os.kill(_worker_pids(server.proc.pid)[0], signal.SIGTERM)  # rank 0 stops; rank 1 follows it out
+        assert server.proc.wait(90) == 0, server.log
+    finally:
+        server.kill()
     assert "Traceback" not in server.log, server.log

@@ -13,7 +13,8 @@ the other ranks of a tensor-parallel engine call it in ``follow``. Each step, on
    pool change, or else the scheduler's output and the requests new to the runners (``plan.py``);
 3. settle: the aborted requests end, the messages get their answers;
 4. share the plan with the other ranks (world size > 1), then ``execute`` it: the same function on
-   every rank applies the drops, the weight update (``weight_sync.py``) or the pool change, and
+   every rank applies the drops, the weight update (``weight_sync.py``), a trainer's weight-update
+   group call (``weight_groups.py``) or the pool change, and
    runs the scheduler's output on the runner, recording the drawn token ids.
 
 Rank 0 ends the choices it can tell from the ids (EOS, a stop token id, max_tokens) and puts what
@@ -52,17 +53,20 @@ from .messages import (
     FlushCache,
     Message,
     Pause,
+    ReceiveWeights,
     Resume,
     Shutdown,
     Sleep,
     UpdateWeights,
     WakeUp,
+    WeightGroupCall,
     resolve,
 )
 from .output_processor import Aborted, Answer, Dead, EngineCoreOutput, Failed, StepOutputs, Stopped
 from .plan import Admission, StepPlan, share_plan
 from .request import Choice, Request
 from .runner import build
+from .weight_groups import WeightGroups
 from .weight_sync import WeightSync, version_key
 
 _POLL_S = 0.25  # how often a follower's update_weights call looks at its deadline
@@ -111,6 +115,7 @@ class EngineCore:
         self.rank = ops.rank(group) if size > 1 else 0
         self._heartbeat_s = heartbeat_s(collective_timeout_s())
         self.weights = WeightSync(ops, self.rank, size, self._heartbeat_s, collective_timeout_s() or 600.0)
+        self.groups = WeightGroups(model, self.weights, self._heartbeat_s)  # a trainer's weight-update groups
         with exclusive(ops, model), ops.no_grad():
             self.scheduler, self.runner, self.cache_memory_bytes = build(
                 model,
@@ -367,7 +372,8 @@ class EngineCore:
     def _idle(plan: StepPlan) -> bool:
         """Whether running ``plan`` would change nothing: no row leaves, nothing is computed."""
         work = plan.scheduled is not None and not plan.scheduled.empty
-        return not (plan.drops or plan.shutdown or plan.update or plan.sleep is not None or (work and not plan.hold))
+        controls = plan.update or plan.group or plan.sleep is not None
+        return not (plan.drops or plan.shutdown or controls or (work and not plan.hold))
 
     def _take(self):
         """The queued messages in order, up to the first that needs a plan of its own (lock held):
@@ -414,7 +420,7 @@ class EngineCore:
             elif isinstance(message, WakeUp):
                 if self.asleep:
                     self._boundary = message
-            else:  # UpdateWeights, Shutdown
+            else:  # UpdateWeights, WeightGroupCall, Shutdown
                 self._boundary = message
         for request in aborted:
             if request in self.waiting:
@@ -452,8 +458,10 @@ class EngineCore:
         self.scheduler.drop(drops)
         update = self.weights.spec(boundary) if isinstance(boundary, UpdateWeights) else None
         sleep = isinstance(boundary, Sleep) if isinstance(boundary, (Sleep, WakeUp)) else None
+        group = boundary.plan_entry() if isinstance(boundary, WeightGroupCall) else None
         if boundary is not None or self.paused or self.asleep or not compute:
-            return StepPlan(drops=drops, hold=self.paused, update=update, sleep=sleep), aborted, taken
+            plan = StepPlan(drops=drops, hold=self.paused, update=update, sleep=sleep, group=group)
+            return plan, aborted, taken
         while self.waiting:
             request = self.waiting.popleft()
             request.open_choices(self.eos_token_ids)
@@ -495,9 +503,14 @@ class EngineCore:
             if plan.update is not None:
                 mine = self._boundary if self.rank == 0 else None
                 self.weights.apply(plan.update, mine, self._take_staged, self._weights_changed)
+            if plan.group is not None:
+                mine = self._boundary if self.rank == 0 else None
+                version = mine.version if isinstance(mine, ReceiveWeights) else plan.group.get("version")
+                self.groups.apply(plan.group, mine, version, self._weights_changed)
             if plan.sleep is not None:
                 self._switch(plan.sleep)
             if plan.shutdown:  # the pool goes now, not whenever a garbage collection finds the engine
+                self.groups.close()
                 self.runner.clear()
                 self.runner.store.release()
                 return

@@ -12,8 +12,10 @@ chunks and outputs. Nothing here touches the batch or the text.
 
 from __future__ import annotations
 
+import json
+import math
 import uuid
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -21,11 +23,31 @@ from ..registry import backend_for, thread_initializer
 from .checks import check_engine_model, check_prompt_ids, check_request, model_limits
 from .config import EngineConfig, resolve_engine_config
 from .core import EngineCore, EngineDeadError
-from .messages import ALL, PAUSE_MODES, Abort, AddRequest, FlushCache, Pause, Resume, Sleep, WakeUp
+from .messages import (
+    ALL,
+    PAUSE_MODES,
+    Abort,
+    AddRequest,
+    FlushCache,
+    JoinWeightGroup,
+    LeaveWeightGroup,
+    Pause,
+    ReceiveWeights,
+    Resume,
+    Sleep,
+    WakeUp,
+)
 from .output_processor import OutputProcessor
 from .params import SamplingParams
 from .request import Request
 from .stream import RequestStream
+from .weight_sync import version_key
+
+
+def _seconds(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 class _LazyGrammar:
@@ -260,6 +282,79 @@ class Engine:
         ``update_timeout_s`` for its peers' calls (weight_sync.py says what each rank raises when a
         tensor, a conversion or a peer fails: a ValueError naming the rank on every rank)."""
         return self._core.call(self._core.weights.message(self.model, weights, version))
+
+    # ---- a trainer's weight-update group (SGLang's calls): every rank at one boundary ------------
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> None:
+        """Join a trainer's torch.distributed group ``group_name`` at ``tcp://master_address:master_port``
+        (the trainer is its rank 0 and hosts the rendezvous): this engine's ranks are ``rank_offset``
+        .. ``rank_offset + world_size_of_the_engine - 1`` of ``world_size`` (SGLang's semantics).
+        Called on rank 0 only; every rank joins at the next step boundary (``weight_groups.py``), or
+        none does. A trainer that does not come within ``timeout_s`` is a TimeoutError; a model whose
+        backend cannot join a torch group (MindSpore) a ValueError."""
+        if not isinstance(master_port, int) or not 0 < master_port < 65536:
+            raise ValueError(f"master_port must be a port number, got {master_port!r}")
+        if not isinstance(world_size, int) or not isinstance(rank_offset, int):
+            raise TypeError(f"rank_offset and world_size must be ints, got {rank_offset!r} and {world_size!r}")
+        if not 1 <= rank_offset or rank_offset + self.world_size > world_size:
+            raise ValueError(
+                f"this engine's {self.world_size} rank(s) take ranks rank_offset .. rank_offset + "
+                f"{self.world_size - 1} of world_size={world_size}, rank 0 being the trainer's: got "
+                f"rank_offset={rank_offset}"
+            )
+        if not isinstance(group_name, str) or not group_name:
+            raise ValueError(f"group_name must be a non-empty str, got {group_name!r}")
+        spec = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset)
+        spec.update(world_size=world_size, group_name=group_name, backend=backend, timeout_s=_seconds(timeout_s))
+        self._core.call(JoinWeightGroup(spec=spec))
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        version=None,
+        flattened: bool = False,
+        timeout_s: float = 300.0,
+        drop: bool = False,
+    ) -> int:
+        """Receive the tensors ``names`` (of ``dtypes`` and ``shapes``) from rank 0 of the group
+        ``group_name``, in that order (one broadcast each, or with ``flattened`` SGLang's
+        ``flattened_bucket``: one broadcast of them all flattened and concatenated, one dtype), on every
+        rank at the next step boundary, and apply them as one ``update_weights(weights, version)``
+        (each rank keeps its shard; all or nothing); returns the number of tensors written. ``drop``:
+        receive and discard them (an update refused after the trainer started sending). A broadcast
+        that does not come within ``timeout_s`` is a TimeoutError, and the group is destroyed on every
+        rank (join it again)."""
+        names, dtypes = [str(n) for n in names], [str(d) for d in dtypes]
+        shapes = [[int(d) for d in shape] for shape in shapes]
+        if not names or len({len(names), len(dtypes), len(shapes)}) != 1:
+            raise ValueError(
+                f"names, dtypes and shapes need one item per tensor, got {len(names)}, {len(dtypes)}, {len(shapes)}"
+            )
+        if flattened and len(set(dtypes)) != 1:
+            raise ValueError(f"a flattened bucket carries one dtype, got {sorted(set(dtypes))}")
+        spec = dict(group_name=group_name, names=names, dtypes=dtypes, shapes=shapes, flattened=bool(flattened))
+        spec.update(drop=bool(drop), timeout_s=_seconds(timeout_s), version=json.loads(version_key(version)))
+        return self._core.call(ReceiveWeights(spec=spec, version=version))
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the group ``group_name`` on every rank (a ValueError if this engine is not in it)."""
+        self._core.call(LeaveWeightGroup(spec={"group_name": group_name}))
+
+    @property
+    def weight_groups(self) -> tuple:
+        """The names of the trainers' weight-update groups this engine is in."""
+        return self._core.groups.names
 
     @property
     def update_timeout_s(self) -> float:

@@ -8,7 +8,8 @@ arguments, queues and waits. So there is one way in, one order (a resume queued 
 applied after it, an abort after the add it names), and no state that two threads write.
 
 The messages that must happen on every rank of a tensor-parallel engine at the same boundary (an
-``UpdateWeights``, a ``Sleep`` or ``WakeUp`` that changes the pool) end the batch of messages a
+``UpdateWeights``, a ``Sleep`` or ``WakeUp`` that changes the pool, a trainer's weight-update group
+joined, received from or left: ``WeightGroupCall``) end the batch of messages a
 step takes: the step applies them through its plan and computes nothing, and what was queued after
 them waits for the next step. On ranks other than 0 the queue holds only ``UpdateWeights`` (each
 rank's trainer calls it with the full tensors; rank 0's plan says when every rank applies it).
@@ -107,6 +108,41 @@ class UpdateWeights(Message):
 
 
 @dataclass(eq=False)
+class WeightGroupCall(Message):
+    """A trainer's weight-update group, on every rank at one boundary (``weight_groups.py``): ``spec``
+    is what rank 0's plan carries (JSON), the same for every rank. One typed message per SGLang call."""
+
+    spec: dict = field(default_factory=dict)
+
+    def plan_entry(self) -> dict:
+        return {"call": self.name, **self.spec}
+
+
+@dataclass(eq=False)
+class JoinWeightGroup(WeightGroupCall):
+    """Join the group ``spec["group_name"]`` (every rank at ``rank_offset + rank``); the result is None."""
+
+    name: ClassVar[str] = "init_weights_update_group"
+
+
+@dataclass(eq=False)
+class ReceiveWeights(WeightGroupCall):
+    """Receive the tensors ``spec`` announces from the group's rank 0 on every rank, then apply them
+    as one update (all or nothing, ``version``), or drop them (``spec["drop"]``); the result is the
+    number of tensors written."""
+
+    name: ClassVar[str] = "update_weights_from_distributed"
+    version: Any = None
+
+
+@dataclass(eq=False)
+class LeaveWeightGroup(WeightGroupCall):
+    """Leave the group ``spec["group_name"]`` on every rank; the result is None."""
+
+    name: ClassVar[str] = "destroy_weights_update_group"
+
+
+@dataclass(eq=False)
 class Sleep(Message):
     """Release the cache pool; refused while requests run or wait unless ``abort`` (their outputs are the result)."""
 
@@ -157,12 +193,16 @@ __all__ = [
     "AddRequest",
     "EngineDeadError",
     "FlushCache",
+    "JoinWeightGroup",
+    "LeaveWeightGroup",
     "Message",
     "Pause",
+    "ReceiveWeights",
     "Resume",
     "Shutdown",
     "Sleep",
     "UpdateWeights",
     "WakeUp",
+    "WeightGroupCall",
     "resolve",
 ]

@@ -8,8 +8,9 @@ the text, a cancel, an abort), the scheduler's output (``scheduled``: the step's
 prefill chunks with the blocks they write, and what the runner applies before them), whether the
 engine is paused (``hold``: no forward this step, the rows keep their cache), a weight update to
 apply (``update``: its version and tensor names, which every rank checks against its own
-``update_weights`` call; weight_sync.py), a pool to release or allocate (``sleep``) and whether
-to shut down. The tokens follow from the gathered logits, which are the same on every rank. The
+``update_weights`` call; weight_sync.py), a trainer's weight-update group to join, receive from
+or leave (``group``: the call's spec; weight_groups.py), a pool to release or allocate
+(``sleep``) and whether to shut down. The tokens follow from the gathered logits, which are the same on every rank. The
 plan travels as UTF-8 JSON through ``broadcast_text`` (int32 broadcasts, which every backend has);
 an empty plan is one 4-byte broadcast, so a decode step adds one small collective. While rank 0
 has nothing to do it sends an empty plan every heartbeat, so the others never wait in one
@@ -45,11 +46,12 @@ class StepPlan:
     update: Optional[dict] = None  # {"version": key, "names": [...] or None}: apply update_weights here
     sleep: Optional[bool] = None  # True: release the cache pool here (sleep), False: allocate it (wake_up)
     scheduled: Optional[SchedulerOutput] = None  # the step's work (none: a step that only drops or controls)
+    group: Optional[dict] = None  # a weight-update group call's spec (weight_groups.py): every rank runs it here
 
     @property
     def empty(self) -> bool:
         work = self.scheduled is not None and not self.scheduled.empty
-        busy = self.admissions or self.drops or self.shutdown or self.hold or self.update or work
+        busy = self.admissions or self.drops or self.shutdown or self.hold or self.update or self.group or work
         return not busy and self.sleep is None
 
     def encode(self) -> str:
@@ -66,6 +68,7 @@ class StepPlan:
                 "update": self.update,
                 "sleep": self.sleep,
                 "scheduled": None if self.scheduled is None else self.scheduled.encode(),
+                "group": self.group,
             }
         )
 
@@ -83,7 +86,14 @@ class StepPlan:
         drops = [tuple(d) for d in data["drop"]]
         scheduled = None if data["scheduled"] is None else SchedulerOutput.decode(data["scheduled"])
         return cls(
-            admissions, drops, bool(data["shutdown"]), bool(data["hold"]), data["update"], data["sleep"], scheduled
+            admissions,
+            drops,
+            bool(data["shutdown"]),
+            bool(data["hold"]),
+            data["update"],
+            data["sleep"],
+            scheduled,
+            data.get("group"),
         )
 
 

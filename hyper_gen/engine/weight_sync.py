@@ -55,10 +55,13 @@ class WeightSync:
         self._missed: dict = {}  # other ranks: updates whose call never came -> the error (a late call raises)
 
     # ---- the caller's thread -------------------------------------------------------------------
-    def message(self, model, weights, version) -> UpdateWeights:
+    def message(self, model, weights, version, defer: bool = False, checked=None) -> UpdateWeights:
         """The checked call as a message. One process: a bad tensor raises here, nothing queued; on
-        a multi-rank engine it is queued all the same, since the other ranks must hear of it. A
-        model without a ``weight_source`` (not loaded by ``hyper_gen.load_model``) is a ValueError."""
+        a multi-rank engine (or with ``defer``: tensors received at the boundary) it is kept in the
+        message all the same, since the other ranks must hear of it. A model without a
+        ``weight_source`` (not loaded by ``hyper_gen.load_model``) is a ValueError. ``checked``: a
+        callable giving the update already checked tensor by tensor (``Checker.finish``), instead of
+        checking ``weights`` here."""
         source = getattr(model, "weight_source", None)  # hyper_gen.models.weight_update.WeightSource
         if source is None:
             raise ValueError(
@@ -71,10 +74,10 @@ class WeightSync:
             if missed is not None:  # the late call of an update the ranks already gave up on
                 raise ValueError(missed)
         try:
-            message.update = source.check(model, weights)
+            message.update = checked() if checked is not None else source.check(model, weights)
             message.names = sorted(message.update.arrays)
         except Exception as error:
-            if self.world_size == 1:
+            if self.world_size == 1 and not defer:
                 raise
             message.check_error = error
         return message
@@ -110,7 +113,7 @@ class WeightSync:
                             f"update_weights was not called on rank {self.rank} within {self.timeout_s:g} s "
                             "(engine.update_timeout_s) of the step boundary rank 0 chose for it"
                         )
-                words = self._gather(word)
+                words = self.gather(word)
                 if _WAITING not in words:
                     break
             failed = [r for r, w in enumerate(words) if w == _FAILED]
@@ -131,10 +134,7 @@ class WeightSync:
         if self.world_size == 1 and message is not None and message.check_error is not None:
             resolve(message, error=message.check_error)
             return
-        told = [text] if self.world_size == 1 else [
-            broadcast_text(self.ops, text if r == self.rank else None, src=r) for r in failed
-        ]  # fmt: skip
-        reasons = "; ".join(f"rank {r}: {m}" for r, m in zip(failed, told))
+        reasons = "; ".join(f"rank {r}: {m}" for r, m in zip(failed, self.told(failed, text)))
         error = ValueError(
             f"update_weights(version={spec['version']}) failed on {reasons}; no rank wrote its weights "
             "(the model is unchanged)"
@@ -164,7 +164,14 @@ class WeightSync:
             message.check_error = error
             return _FAILED, _describe(error), None
 
-    def _gather(self, word: int) -> List[int]:
+    def told(self, failed: List[int], text: str) -> List[str]:
+        """Each failed rank's ``text``, on every rank (one broadcast per failed rank: the failure path only)."""
+        if self.world_size == 1:
+            return [text]
+        return [broadcast_text(self.ops, text if r == self.rank else None, src=r) for r in failed]
+
+    def gather(self, word: int) -> List[int]:
+        """Every rank's ``word`` (a small int), in rank order."""
         if self.world_size == 1:
             return [word]
         gathered = self.ops.all_gather(self.ops.asarray(np.asarray([word], np.int32), "int32"), 0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from functools import partial
 from typing import Dict, Iterable, Optional, Set
 
 import numpy as np
@@ -75,9 +76,13 @@ class UpdateSource(Checkpoint):
     """The model's checkpoint with the update's arrays laid over it: what a port's load code reads.
     A tensor neither updated now nor ever before is read from ``base`` (the files on disk)."""
 
-    def __init__(self, base: Checkpoint, arrays: Dict[str, np.ndarray], updated_before: Set[str]):
-        # no Checkpoint.__init__: the folder is base's, already opened and checked
+    def __init__(
+        self, base: Checkpoint, arrays: Dict[str, np.ndarray], updated_before: Set[str], keep_strides: bool = False
+    ):
+        # no Checkpoint.__init__: the folder is base's, already opened and checked. keep_strides: a
+        # given array is read as the view it is (a port that stages tensors in its own memory order)
         self.base, self.arrays, self.updated_before = base, arrays, updated_before
+        self.keep_strides = keep_strides
         self.path, self.config, self.full_config = base.path, base.config, base.full_config
         self.architecture, self.generation_config = base.architecture, base.generation_config
 
@@ -104,7 +109,9 @@ class UpdateSource(Checkpoint):
             array = array[tuple(index)]
         narrowed = np.dtype(dtype).itemsize < array.dtype.itemsize  # a float64 past float32's range: inf
         with np.errstate(over="ignore"):
-            array = np.ascontiguousarray(array.astype(dtype, copy=False))
+            array = array.astype(dtype, copy=False)
+        if not self.keep_strides or min(array.strides, default=0) < 0:  # (torch takes no negative stride)
+            array = np.ascontiguousarray(array)
         if narrowed and not _all_finite(array):  # (``check`` saw the given values finite)
             raise ValueError(f"update_weights: tensor {name!r} has values past {np.dtype(dtype).name}'s range (inf)")
         return array
@@ -145,8 +152,9 @@ class WeightUpdate:
         self.count = len(arrays) if count is None else count
 
     def prepare(self):
-        overlay = UpdateSource(self.source.checkpoint, self.arrays, self.source.updated)
         port = importlib.import_module(type(self.model).__module__)
+        staged = hasattr(port, "stage_update")
+        overlay = UpdateSource(self.source.checkpoint, self.arrays, self.source.updated, keep_strides=staged)
         write = port.prepare_update(self.model, overlay, set(self.arrays))  # every conversion, nothing written
 
         def commit() -> int:
@@ -171,6 +179,9 @@ class WeightSource:
     def check(self, model, weights: Iterable) -> WeightUpdate:
         return check(model, weights)
 
+    def checker(self, model) -> "Checker":
+        return Checker(model)
+
 
 def check(model, weights: Iterable) -> WeightUpdate:
     """Every ``(name, tensor)`` of ``weights`` checked against the model's checkpoint description:
@@ -178,26 +189,46 @@ def check(model, weights: Iterable) -> WeightUpdate:
     non-finite value; a TypeError for something that is not a tensor. MoE experts are taken in
     either layout (fused as a transformers 5 trainer holds them, or per expert as checkpoints
     name them) and put into the model's (``expert_layouts``). Nothing is converted yet."""
-    source = getattr(model, "weight_source", None)
-    if not isinstance(source, WeightSource):
-        raise ValueError(
-            f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(model).__name__}"
-        )
-    if isinstance(weights, dict):
-        weights = weights.items()
-    shard = source.family.describe(source.checkpoint, model.config, model.tp_plan)
-    shapes = expected_shapes(shard)
-    other = other_layout(shapes)  # the expert layout the model was not loaded from
-    arrays: Dict[str, np.ndarray] = {}
-    translated: Dict[str, tuple] = {}  # a name of ``other`` -> (the caller's name, array)
-    for item in weights:
+    checker = Checker(model)
+    for item in weights.items() if isinstance(weights, dict) else weights:
+        checker.add(item)
+    return checker.finish()
+
+
+class Checker:
+    """``check`` one tensor at a time (``add``), then ``finish()``: a receiver checks each tensor as
+    it arrives, while the next one is still on the wire."""
+
+    def __init__(self, model):
+        source = getattr(model, "weight_source", None)
+        if not isinstance(source, WeightSource):
+            raise ValueError(
+                f"update_weights needs a native model loaded by hyper_gen.load_model, got {type(model).__name__}"
+            )
+        self.model, self.source = model, source
+        shard = source.family.describe(source.checkpoint, model.config, model.tp_plan)
+        self.shapes = expected_shapes(shard)
+        self.other = other_layout(self.shapes)  # the expert layout the model was not loaded from
+        self.arrays: Dict[str, np.ndarray] = {}
+        self.translated: Dict[str, tuple] = {}  # a name of ``other`` -> (the caller's name, array)
+        self.stage = None
+
+    def staging(self) -> "Checker":
+        """Each checked tensor also laid out as the model keeps it, when its port can
+        (``stage_update(model, name, array)``): a receiver does it while the next tensor is on the
+        wire, and the update's write is then a plain copy instead of a transposing one."""
+        stage = getattr(importlib.import_module(type(self.model).__module__), "stage_update", None)
+        self.stage = None if stage is None else partial(stage, self.model)
+        return self
+
+    def add(self, item) -> None:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
             raise TypeError(f"update_weights: each item must be a (name: str, tensor) pair, got {item!r:.80}")
         given, tensor = item
         name = normalised_name(given)
         if name.startswith(_SKIPPED_PREFIXES):  # vision tower / MTP weights: not part of the text model
-            continue
-        expected = shapes.get(name, other.get(name))
+            return
+        expected = self.shapes.get(name, self.other.get(name))
         if expected is None:
             raise ValueError(f"update_weights: {given!r} is not a weight of this model's checkpoint")
         array = to_numpy(given, tensor)
@@ -208,24 +239,27 @@ def check(model, weights: Iterable) -> WeightUpdate:
         if not _all_finite(array):
             nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
             raise ValueError(f"update_weights: {given!r} has non-finite values ({nan} NaN, {inf} inf)")
-        if name in arrays or name in translated:
+        if name in self.arrays or name in self.translated:
             raise ValueError(f"update_weights: {given!r} is given twice")
-        if name in shapes:
-            arrays[name] = array
+        if name in self.shapes:
+            self.arrays[name] = array if self.stage is None else self.stage(name, array)
         else:
-            translated[name] = (given, array)
-    count = len(arrays) + len(translated)
-    if translated:
+            self.translated[name] = (given, array)
 
-        def read(name: str, dtype) -> np.ndarray:  # the model's source's value of a tensor no update changed
-            wide = "float64" if source.checkpoint.stored_dtype(name) in ("F64", "float64") else np.dtype(dtype).name
-            return source.checkpoint.get(name, wide)
+    def finish(self) -> WeightUpdate:
+        source, shapes, arrays, translated = self.source, self.shapes, self.arrays, self.translated
+        count = len(arrays) + len(translated)
+        if translated:
 
-        for name, (given, array) in into_model_layout(translated, shapes, read, source.updated).items():
-            if name in arrays:
-                raise ValueError(f"update_weights: {given!r} and {name!r} both give {name!r}: it is given twice")
-            arrays[name] = array
-    return WeightUpdate(model, source, arrays, count)
+            def read(name: str, dtype) -> np.ndarray:  # the model's source's value of a tensor no update changed
+                wide = "float64" if source.checkpoint.stored_dtype(name) in ("F64", "float64") else np.dtype(dtype).name
+                return source.checkpoint.get(name, wide)
+
+            for name, (given, array) in into_model_layout(translated, shapes, read, source.updated).items():
+                if name in arrays:
+                    raise ValueError(f"update_weights: {given!r} and {name!r} both give {name!r}: it is given twice")
+                arrays[name] = array
+        return WeightUpdate(self.model, source, arrays, count)
 
 
 def model_shapes(model) -> Dict[str, tuple]:

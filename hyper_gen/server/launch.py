@@ -177,8 +177,7 @@ def serve(
     try:
         server.run(sockets=[sock])
     finally:
-        app.state.weight_groups.close()
-        engine.shutdown()
+        engine.shutdown()  # (every rank leaves the trainers' weight-update groups)
         sock.close()
     return server.stopped_by
 

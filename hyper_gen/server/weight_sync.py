@@ -1,10 +1,13 @@
 """Weights pushed by a trainer in another process: SGLang's distributed and tensor endpoints.
 
 ``POST /init_weights_update_group`` (``master_address``, ``master_port``, ``rank_offset``,
-``world_size``, ``group_name``, ``backend``): this server joins the trainer's group as rank
-``rank_offset`` (the trainer is rank 0 and hosts the rendezvous), through its backend's adapter
-(``join_weight_group``; an adapter without one, MindSpore's, answers a 400: push with
-``/update_weights_from_disk`` or ``/update_weights_from_tensor`` instead). ``POST
+``world_size``, ``group_name``, ``backend``): this server joins the trainer's group, its ranks as
+``rank_offset`` .. ``rank_offset + tp - 1`` (SGLang's; the trainer is rank 0 and hosts the
+rendezvous), through its backend's adapter (``join_weight_group``; an adapter without one,
+MindSpore's, answers a 400: push with ``/update_weights_from_disk`` or
+``/update_weights_from_tensor`` instead). The calls are the engine's
+(``Engine.init_weights_update_group`` and the two below): rank 0's plan carries them, and every
+rank of a tensor-parallel server joins, receives every broadcast and keeps its own shard. ``POST
 /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``, ``group_name``,
 ``weight_version``, ``abort_all_requests``): the announced tensors are checked against the model
 first (a name it lacks, a shape that disagrees, a dtype it cannot take: a 400 naming ``names`` /
@@ -12,21 +15,23 @@ first (a name it lacks, a shape that disagrees, a dtype it cannot take: a 400 na
 the group stay usable), then received from group rank 0 in the order of ``names`` (one broadcast
 per tensor, as SGLang receives them; with ``load_format: "flattened_bucket"``, SGLang's bucket: one
 broadcast of the tensors flattened and concatenated in that order, all of one dtype) and applied as
-one ``Engine.update_weights`` at a step boundary: every tensor of the call or none.
+one update at a step boundary: every tensor of the call on every rank, or none.
 ``POST /destroy_weights_update_group`` (``group_name``). ``POST /update_weights_from_tensor``
 (``serialized_named_tensors``: base64 safetensors, ``tensor_body``), on every backend.
 
 Every wait for the trainer is bounded by ``HYPER_GEN_WEIGHT_SYNC_TIMEOUT_S`` (default 300 s): the
 rendezvous, the group's creation, each broadcast. A timeout is a 500 naming what was waited for;
-the engine is unchanged and a group whose broadcast timed out is destroyed (init it again). Calls
-on the groups run one at a time, off the event loop: generation keeps streaming meanwhile.
+the engine is unchanged and a group whose broadcast timed out is destroyed on every rank (init
+it again). Calls on the groups run one at a time, off the event loop; the engine's steps wait at
+the boundary while the trainer's broadcasts arrive (as SGLang's scheduler does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from hyper_gen import registry
 from hyper_gen.models.weight_update import announced_problem, model_shapes
@@ -55,11 +60,12 @@ def _timed_out(what: str, exc: BaseException) -> APIError:
 
 
 class WeightGroups:
-    """The weight-update groups this server belongs to, by name."""
+    """The weight-update group endpoints over the engine's calls (``Engine.init_weights_update_group``,
+    ``update_weights_from_distributed``, ``destroy_weights_update_group``): every rank of the engine
+    is a member, and every rank receives."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.groups: Dict[str, object] = {}
         self._lock: Optional[asyncio.Lock] = None
 
     @property
@@ -71,73 +77,53 @@ class WeightGroups:
     def _adapter(self, path: str):
         model = getattr(self.engine, "model", None)
         adapter = registry.adapter_of(model)
-        if getattr(self.engine, "update_weights", None) is None or adapter is None:
-            raise not_supported(path, "update_weights()", self.engine)
+        if getattr(self.engine, "init_weights_update_group", None) is None or adapter is None:
+            raise not_supported(path, "init_weights_update_group()", self.engine)
         return adapter
 
-    def _group(self, name: str):
-        if name not in self.groups:
-            known = sorted(self.groups) or "none: POST /init_weights_update_group first"
+    def _group(self, name: str) -> None:
+        if name not in self.engine.weight_groups:
+            known = list(self.engine.weight_groups) or "none: POST /init_weights_update_group first"
             raise bad_value("group_name", f"unknown weight update group {name!r} (groups: {known})")
-        return self.groups[name]
 
     async def init(self, request: InitGroupRequest) -> dict:
         path = "POST /init_weights_update_group"
         adapter = self._adapter(path)
-        join = getattr(adapter, "join_weight_group", None)
-        if join is None:
+        if getattr(adapter, "join_weight_group", None) is None:
             raise bad_value(
                 "backend",
                 f"a {getattr(adapter, 'NAME', 'non-torch')} server cannot join a torch.distributed weight update "
                 "group: push the weights with POST /update_weights_from_disk or POST /update_weights_from_tensor",
             )
-        if getattr(self.engine, "world_size", 1) != 1:
-            raise APIError(
-                f"{path} is not supported on a multi-rank server yet: push the weights with "
-                "POST /update_weights_from_disk or POST /update_weights_from_tensor",
-                status=501,
-                code="not_implemented",
-                type_="not_implemented_error",
-            )
         backends = tuple(getattr(adapter, "WEIGHT_GROUP_BACKENDS", ()))
         if request.backend not in backends:
             raise bad_value("backend", f"backend must be one of {backends}, got {request.backend!r}")
-        if request.world_size < 2:
+        ranks = getattr(self.engine, "world_size", 1)
+        if request.world_size < 1 + ranks:
             raise bad_value(
-                "world_size", f"world_size counts the trainer and this server: at least 2, got {request.world_size}"
+                "world_size",
+                f"world_size counts the trainer and this server's {ranks} rank(s): at least {1 + ranks}, "
+                f"got {request.world_size}",
             )
-        if not 1 <= request.rank_offset < request.world_size:
+        if not 1 <= request.rank_offset <= request.world_size - ranks:
             raise bad_value(
                 "rank_offset",
-                f"rank_offset must be in [1, world_size={request.world_size}) (rank 0 is the trainer's), "
-                f"got {request.rank_offset}",
+                f"rank_offset must be in [1, {request.world_size - ranks}]: this server's {ranks} rank(s) take "
+                f"rank_offset .. rank_offset + {ranks - 1} of world_size={request.world_size} (rank 0 is the "
+                f"trainer's), got {request.rank_offset}",
             )
         if not request.group_name:
             raise bad_value("group_name", "group_name must not be empty")
         async with self.lock:
-            if request.group_name in self.groups:
+            if request.group_name in self.engine.weight_groups:
                 raise bad_value(
                     "group_name",
                     f"this server is already in group {request.group_name!r}: POST /destroy_weights_update_group first",
                 )
-            wait = timeout_s()
-            try:
-                group = await asyncio.to_thread(
-                    join,
-                    self.engine.model,
-                    request.master_address,
-                    request.master_port,
-                    request.rank_offset,
-                    request.world_size,
-                    request.group_name,
-                    request.backend,
-                    wait,
-                )
-            except TimeoutError as exc:
-                raise _timed_out(f"joining weight update group {request.group_name!r}", exc) from None
-            except ValueError as exc:
-                raise bad_value("backend", str(exc)) from None
-            self.groups[request.group_name] = group
+            what = f"joining weight update group {request.group_name!r}"  # (every rank of this server joins)
+            args = (request.master_address, request.master_port, request.rank_offset, request.world_size)
+            join = self.engine.init_weights_update_group
+            await _engine_call(what, "group_name", join, *args, request.group_name, request.backend, timeout_s())
         return {"success": True, "message": f"Joined weight update group {request.group_name!r}."}
 
     def _announced(self, adapter, request: DistributedUpdateRequest):
@@ -193,41 +179,71 @@ class WeightGroups:
             field, message, drainable = self._announced(adapter, request)
             if field is not None and not drainable:  # nothing can be received: the broadcasts cannot be drained
                 raise bad_value(field, f"the update was not applied: {message}")
-            group = self._group(request.group_name)
-            specs = list(zip(request.names, request.dtypes, request.shapes))
-            wait = timeout_s()
+            self._group(request.group_name)
+            receive = functools.partial(
+                self.engine.update_weights_from_distributed,
+                request.names,
+                request.dtypes,
+                request.shapes,
+                request.group_name,
+                flattened=flattened,
+                timeout_s=timeout_s(),
+            )
+            what = f"receiving the update over group {request.group_name!r} (the group was destroyed: init it again)"
             if field is not None:
                 note = ""
-                if drainable:  # keep the trainer's side and the group in step: take its broadcasts, drop them
+                if drainable:  # the trainer and the group stay in step: every rank takes the broadcasts, drops them
                     try:
-                        await asyncio.to_thread(group.receive, specs, wait, flattened)
+                        await asyncio.to_thread(receive, drop=True)
                         note = " (the broadcast tensors were received and dropped)"
                     except TimeoutError:
-                        note = f" (no broadcast came within {wait:g}s)"
+                        note = f" (no broadcast came within {timeout_s():g}s; the group was destroyed)"
                 raise bad_value(field, f"the update was not applied: {message}{note}")
-            try:
-                weights = await asyncio.to_thread(group.receive, specs, wait, flattened)
-            except TimeoutError as exc:
-                self.groups.pop(request.group_name, None)
-                await asyncio.to_thread(group.destroy)
-                raise _timed_out(
-                    f"receiving the update over group {request.group_name!r} (the group was destroyed: init it again)",
-                    exc,
-                ) from None
-            return await _apply(
-                self.engine, state_abort_all, weights, request, "names", f"group {request.group_name!r}"
-            )
+            paused = 0
+            if request.abort_all_requests:
+                paused = len(await asyncio.to_thread(state_abort_all))
+            version = request.weight_version
+            if version is None:  # SGLang's: the version stays as it was
+                version = getattr(self.engine, "weight_version", None)
+            count = await _engine_call(what, "names", receive, version=version)
+        return _updated(count, f"group {request.group_name!r}", version, paused)
 
     async def destroy(self, request: DestroyGroupRequest) -> dict:
         async with self.lock:
-            group = self._group(request.group_name)
-            del self.groups[request.group_name]
-            await asyncio.to_thread(group.destroy)
+            self._group(request.group_name)
+            leave = self.engine.destroy_weights_update_group
+            await _engine_call(f"leaving group {request.group_name!r}", "group_name", leave, request.group_name)
         return {"success": True, "message": f"Left weight update group {request.group_name!r}."}
 
     def close(self) -> None:
-        for name in list(self.groups):
-            self.groups.pop(name).destroy()
+        """Leave every group the engine is in, while it runs (a server stopped before its engine)."""
+        if not getattr(self.engine, "alive", False):
+            return
+        for name in getattr(self.engine, "weight_groups", ()):
+            try:
+                self.engine.destroy_weights_update_group(name)
+            except Exception:  # (gone meanwhile, or the engine stopping): nothing left to leave
+                pass
+
+
+async def _engine_call(what: str, param: str, call, *args, **kwargs):
+    """``call(*args, **kwargs)`` off the event loop: a TimeoutError is a 500 naming ``what``, a
+    ValueError / TypeError a 400 naming ``param``."""
+    try:
+        return await asyncio.to_thread(call, *args, **kwargs)
+    except TimeoutError as exc:
+        raise _timed_out(what, exc) from None
+    except (ValueError, TypeError) as exc:
+        refused = "the update was not applied" if param == "names" else f"{what} failed"
+        raise bad_value(param, f"{refused}: {exc}") from None
+
+
+def _updated(count: int, source: str, version, paused: int) -> dict:
+    return {
+        "success": True,
+        "message": f"Updated {count} tensors from {source} (weight_version {version_text(version)}).",
+        "num_paused_requests": paused,
+    }
 
 
 async def _apply(engine, abort_all, weights: List[tuple], request, param: str, source: str) -> dict:
@@ -243,11 +259,7 @@ async def _apply(engine, abort_all, weights: List[tuple], request, param: str, s
         count = await asyncio.to_thread(engine.update_weights, weights, version)
     except (ValueError, TypeError) as exc:
         raise bad_value(param, f"the update was not applied: {exc}") from None
-    return {
-        "success": True,
-        "message": f"Updated {count} tensors from {source} (weight_version {version_text(version)}).",
-        "num_paused_requests": paused,
-    }
+    return _updated(count, source, version, paused)
 
 
 async def update_from_tensor(state, request: TensorUpdateRequest) -> dict:

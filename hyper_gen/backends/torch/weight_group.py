@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,22 +71,32 @@ class WeightGroup:
             raise TimeoutError(f"{what}: no broadcast from the trainer within {timeout_s:g}s")
 
     def receive(
-        self, specs: Sequence[Tuple[str, str, Sequence[int]]], timeout_s: float, flattened: bool = False
+        self,
+        specs: Sequence[Tuple[str, str, Sequence[int]]],
+        timeout_s: float,
+        flattened: bool = False,
+        arrived: Optional[Callable[[tuple], None]] = None,
     ) -> List[tuple]:
         """``[(name, tensor)]``: each ``(name, dtype, shape)`` received from rank 0, in order: one broadcast
         per tensor, or with ``flattened`` (SGLang's ``load_format="flattened_bucket"``: one dtype) one
-        broadcast of them all flattened and concatenated in that order, split back here."""
+        broadcast of them all flattened and concatenated in that order, split back here. ``arrived``:
+        called with each ``(name, tensor)`` once it is here (the caller checks it meanwhile)."""
         if flattened:
             sizes = [math.prod(shape) for _, _, shape in specs]
             bucket = torch.empty(sum(sizes), dtype=dtype_of(specs[0][1]), device=self.device)
             self.broadcast(bucket, timeout_s, f"group {self.name!r}, a flattened bucket of {len(specs)} tensors")
             pieces = torch.split(bucket, sizes)
-            return [(name, piece.view(tuple(shape))) for (name, _, shape), piece in zip(specs, pieces)]
+            out = [(name, piece.view(tuple(shape))) for (name, _, shape), piece in zip(specs, pieces)]
+            for item in out if arrived is not None else ():
+                arrived(item)
+            return out
         out = []
         for name, dtype, shape in specs:
             tensor = torch.empty(tuple(shape), dtype=dtype_of(dtype), device=self.device)
             self.broadcast(tensor, timeout_s, f"group {self.name!r}, tensor {name!r}")
             out.append((name, tensor))
+            if arrived is not None:
+                arrived(out[-1])
         return out
 
     def destroy(self) -> None:

@@ -8,6 +8,7 @@ Layout, numerics, tensor and context parallelism: docs/architecture.md, "The nat
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from types import SimpleNamespace
 from typing import Optional
@@ -569,9 +570,16 @@ class _UpdateWeights(_Weights):
     """update_weights' reads: views of the given tensors where they can be, a fused matrix as ``_Pieces``."""
 
     def matrix(self, *pieces: Piece):
-        if len(pieces) == 1:
-            return super().matrix(*pieces)
-        return _Pieces(self.transposed(self.array(piece)) for piece in pieces)
+        parts = [part for piece in pieces for part in self._rows(piece)]
+        return self.transposed(parts[0]) if len(parts) == 1 else _Pieces(self.transposed(part) for part in parts)
+
+    def _rows(self, piece: Piece) -> list:
+        """A piece's output-row ranges as views of the given tensor (``read`` would concatenate them:
+        a copy of every interleaved projection before the copy into the parameter)."""
+        if piece.ranges is None or len(piece.ranges) < 2 or piece.axis not in (0, -2) or len(piece.shape) != 2:
+            return [self.array(piece)]
+        self.checkpoint.check_shape(piece.name, piece.shape)
+        return [self.checkpoint.get_slice(piece.name, piece.axis, a, b, self.read_dtype) for a, b in piece.ranges]
 
 
 def prepare_update(model: Qwen3_5ForCausalLM, checkpoint, names):
@@ -582,22 +590,61 @@ def prepare_update(model: Qwen3_5ForCausalLM, checkpoint, names):
     w = _UpdateWeights(checkpoint, model.dtype, model.device, SimpleNamespace(layout=lambda w_t: w_t), trainable)
     state = _state(w, describe(checkpoint, model.config, model.tp_plan), lambda unit: touches(unit, names))
     params = model.state_dict(keep_vars=True)
-    # detach(), not .data: a copy through .data would not bump the weight's version counter, and the
-    # kernels would keep projecting with the oneDNN copy packed from the old values
-    return lambda: [_copy(params[key].detach(), value) for key, value in state.items()]
+
+    def write() -> None:
+        # detach(), not .data: a copy through .data would not bump the weight's version counter, and the
+        # kernels would keep projecting with the oneDNN copy packed from the old values
+        with _one_thread():
+            for key, value in state.items():
+                _copy(params[key].detach(), value)
+
+    return write
+
+
+def stage_update(model: Qwen3_5ForCausalLM, name: str, array: np.ndarray) -> np.ndarray:
+    """A received (out, in) matrix in the (in, out) memory the model keeps it in (an (out, in) view of
+    it), made while the next tensor is still on the wire: the update's write then copies rows
+    instead of transposing. Float64 models (kept in (out, in) memory), devices other than the CPU
+    and every other tensor are left as they are."""
+    if array.ndim != 2 or model.device.type != "cpu" or model.dtype == torch.float64 or not array.flags.c_contiguous:
+        return array
+    with _one_thread():
+        return torch.from_numpy(array).t().contiguous().numpy().T
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The calling thread's CPU copies on one thread (OpenMP's count is per thread: a forward on
+    another thread keeps its own). These copies are memory-bound, and thousands of small parallel
+    regions each wait for the pool's every thread: on a busy host, a descheduled one costs
+    milliseconds a region (a 1 GB embedding's blocked copy took 31 s on two threads, 2 s on one)."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
 
 
 def _copy(dst: torch.Tensor, src, block: int = 64) -> None:
-    """``dst.copy_(src)`` (``_Pieces``: each into its columns); a transposing copy in blocks of ``block``
-    columns (3x faster on CPU)."""
+    """``dst.copy_(src)`` (``_Pieces``: each into its columns); a transposing copy into a slice in
+    blocks of ``block`` columns (3x faster on CPU), and into a whole contiguous parameter through torch's
+    own cache-blocked transpose (``copy_`` takes it when ``src`` is the transpose of a contiguous tensor)."""
     if isinstance(src, _Pieces):
         start = 0
         for piece in src:
             _copy(dst[..., start : start + piece.shape[-1]], piece, block)
             start += piece.shape[-1]
         return
-    for j in range(0, src.shape[-1], block) if src.dim() > 1 and src.stride() != dst.stride() else [None]:
-        (dst if j is None else dst[..., j : j + block]).copy_(src if j is None else src[..., j : j + block])
+    whole = src.dim() == 2 and dst.is_contiguous() and src.t().is_contiguous()
+    rows = src.stride(-1) == 1 or dst.stride(-1) != 1  # (not a transposing copy)
+    if src.dim() < 2 or rows or whole or dst.device.type != "cpu":
+        dst.copy_(src)
+        return
+    for j in range(0, src.shape[-1], block):
+        dst[..., j : j + block].copy_(src[..., j : j + block])
 
 
 def load(
