@@ -7,6 +7,7 @@ fields encoded once plus its choice, byte for byte what the pydantic response mo
 """
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -101,3 +102,16 @@ def test_a_chunks_json_is_the_models():
         assert made == sse(ChatCompletionChunk(**head, choices=[choice]))
     with pytest.raises(TypeError, match="not a choice field"):
         frames.choice(index=0, text="x")
+
+
+@pytest.mark.slow
+def test_bench_serve_prints_the_one_stream_ratio_beside_generate(cli):
+    """``hyper-gen bench serve`` on the demo model: a row per level with the inter-token median, the
+    interleaved ``generate()`` row, and the one-stream ratio line (a real server process)."""
+    args = ["bench", "serve", "--requests", "2", "--max-tokens", "4", "--concurrency", "1,2", "--prompt-tokens", "8"]
+    run = cli([*args, "--skip-offline", "--skip-static-batch"])
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "ITL p50 ms" in out and "server, 2 concurrent clients" in out
+    assert "generate, the same requests between" in out
+    assert re.search(r"one stream: the server's inter-token median [\d.]+ ms over generate\(\)'s decode step", out)

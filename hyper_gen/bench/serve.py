@@ -330,7 +330,7 @@ def add_parser(sub) -> None:
     serve.add_argument(
         "--dtype",
         default="float32",
-        help="the server's and generate()'s dtype: float32 | bfloat16 | ... (default: %(default)s)",
+        help="the server's and generate()'s dtype: float32 | bfloat16 | ...",
     )
     serve.add_argument(
         "--prompt-tokens",
