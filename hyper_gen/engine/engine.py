@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import uuid
 from typing import List, Optional, Sequence
-
-import numpy as np
 
 from ..registry import backend_for, thread_initializer
 from .checks import check_engine_model, check_prompt_ids, check_request, model_limits
@@ -183,7 +182,7 @@ class Engine:
             request_id = f"req-{uuid.uuid4().hex}"
         elif not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str or None, got {request_id!r}")
-        noise_seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(0, 2**63))
+        noise_seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(None, request_id, [int(t) for t in ids], params, noise_seed)
         request.stream = RequestStream(request_id, lambda: self._core.post(Abort(request, reply=False)))
         self._core.post(AddRequest(request=request))

@@ -34,6 +34,7 @@ import numpy as np
 from .detokenize import IncrementalText
 from .messages import EngineDeadError, resolve
 from .outputs import ChoiceOutput, CompletionChunk, RequestOutput
+from .stream import one_wake_per_loop
 
 
 # ---- what the core puts here, in order ------------------------------------------------------------
@@ -170,21 +171,28 @@ class OutputProcessor:
         if setup is not None:
             setup()
         while not self._done:
-            self._process(self._events.get())
+            event = self._events.get()
+            with one_wake_per_loop():  # this event and any that came meanwhile: one wake-up a loop
+                self._process(event)
+                self._process_queued()
 
     def drain(self) -> None:
         """Everything put so far, on this thread (an engine stepped by its caller, right after a step)."""
         with self._lock:
             outer, self.thread_ident = self.thread_ident, threading.get_ident()
             try:
-                while not self._done:
-                    try:
-                        event = self._events.get_nowait()
-                    except queue.Empty:
-                        return
-                    self._process(event)
+                with one_wake_per_loop():
+                    self._process_queued()
             finally:
                 self.thread_ident = outer
+
+    def _process_queued(self) -> None:
+        while not self._done:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            self._process(event)
 
     def _process(self, event) -> None:
         try:

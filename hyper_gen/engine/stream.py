@@ -2,7 +2,10 @@
 
 The engine thread pushes; a consumer pulls with ``for chunk in stream`` (a condition variable)
 or ``async for chunk in stream`` from any asyncio loop (the engine wakes the awaiting loop with
-``loop.call_soon_threadsafe``, never touching the loop's objects from its own thread). Chunks are
+``loop.call_soon_threadsafe``, never touching the loop's objects from its own thread; inside
+``one_wake_per_loop()``, as the output processor handles a step, once per loop for every stream
+it fed, not once per stream: a wake-up is a write to the loop's self-pipe and a turn of the loop,
+and at 16 streams one per step serves all). Chunks are
 consumed once, by whoever pulls them; ``result()`` waits for the whole output and needs no
 iteration. Every wait ends: the engine closes each stream exactly once, with its output, with
 the error that failed it, or with a ``RuntimeError`` when the engine itself stops.
@@ -11,14 +14,45 @@ the error that failed it, or with a ``RuntimeError`` when the engine itself stop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from typing import Callable, List, Optional
+
+_gathering = threading.local()  # .wakes: {loop: [futures]} while one_wake_per_loop() runs on this thread
 
 
 def _wake(future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _wake_all(futures) -> None:
+    for future in futures:
+        _wake(future)
+
+
+def _call_soon(loop, callback, argument) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, argument)
+    except RuntimeError:  # that loop is closed: nobody is waiting there any more
+        pass
+
+
+@contextlib.contextmanager
+def one_wake_per_loop():
+    """The async consumers that streams pushed to within the block are woken at its end, with one
+    ``call_soon_threadsafe`` per event loop (on this thread; nested blocks join the outer one)."""
+    if getattr(_gathering, "wakes", None) is not None:
+        yield
+        return
+    _gathering.wakes = wakes = {}
+    try:
+        yield
+    finally:
+        _gathering.wakes = None
+        for loop, futures in wakes.items():
+            _call_soon(loop, _wake_all, futures)
 
 
 class RequestStream:
@@ -54,12 +88,26 @@ class RequestStream:
 
     def _notify(self) -> None:  # with self._cond held
         self._cond.notify_all()
+        if not self._waiters:
+            return
         waiters, self._waiters = self._waiters, []
+        wakes = getattr(_gathering, "wakes", None)
         for loop, future in waiters:
-            try:
-                loop.call_soon_threadsafe(_wake, future)
-            except RuntimeError:  # that loop is closed: nobody is waiting there any more
-                pass
+            if wakes is None:
+                _call_soon(loop, _wake, future)
+            else:
+                wakes.setdefault(loop, []).append(future)
+
+    def interrupt_waiters(self, error: BaseException) -> None:
+        """Raise ``error`` in the ``async for`` consumers waiting for a chunk on the running event loop
+        (call it there): a response that must end now, whatever the engine does."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            mine = [future for owner, future in self._waiters if owner is loop]
+            self._waiters = [(owner, future) for owner, future in self._waiters if owner is not loop]
+        for future in mine:
+            if not future.done():
+                future.set_exception(error)
 
     # ---- consumer side --------------------------------------------------------------------
     @property
@@ -118,4 +166,4 @@ class RequestStream:
             await future
 
 
-__all__ = ["RequestStream"]
+__all__ = ["RequestStream", "one_wake_per_loop"]

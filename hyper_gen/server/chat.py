@@ -27,7 +27,7 @@ from .protocol import (
     Usage,
 )
 from .state import ServerState, collected_chunks, new_id
-from .streams import DONE, EventStream, ServerClosing, sse
+from .streams import DONE, EventStream, Frames, ServerClosing, sse
 from .tools import AgentOutput, check_tools, finish_reason, tool_grammar
 
 
@@ -132,6 +132,7 @@ async def _events(state, request, requests, head, prompt_ids, parsers, text_of):
     options = request.stream_options
     usage_each = bool(options and options.continuous_usage_stats)
     aligners, agents, generated, held = {}, {}, 0, {}
+    frames = Frames(ChatCompletionChunk, ChatChunkChoice, head)
     try:
         for i in range(request.n):
             first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -157,15 +158,19 @@ async def _events(state, request, requests, head, prompt_ids, parsers, text_of):
             if not (reasoning or content or calls or chunk.finished or logprobs or (want_ids and chunk.token_ids)):
                 continue
             made = agent.tools.calls if agent.tools else []
-            choice = ChatChunkChoice(
+            values = dict(
                 index=chunk.index,
-                delta=DeltaMessage(content=content or None, reasoning_content=reasoning or None),
-                logprobs=logprobs,
                 finish_reason=None if calls else finish_reason(chunk.finish_reason, made) if chunk.finished else None,
                 token_ids=[int(t) for t in chunk.token_ids] if want_ids else None,
             )
-            usage = _usage(prompt_tokens, generated) if usage_each else None
-            yield sse(ChatCompletionChunk(**head, choices=[choice], usage=usage))
+            if logprobs is None and not usage_each:  # the usual chunk: only its choice is encoded (Frames)
+                delta = {"content": content or None, "reasoning_content": reasoning or None}
+                yield frames.event(frames.choice(**values, delta={k: v for k, v in delta.items() if v is not None}))
+            else:
+                delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None)
+                choice = ChatChunkChoice(**values, delta=delta, logprobs=logprobs)
+                usage = _usage(prompt_tokens, generated) if usage_each else None
+                yield sse(ChatCompletionChunk(**head, choices=[choice], usage=usage))
             first = len(made) - len(calls)
             for k, call in enumerate(calls):
                 for delta in _tool_deltas(first + k, call):

@@ -19,7 +19,7 @@ from .params import sampling_params
 from .prompts import checked_completion
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from .state import ServerState, collected_chunks, new_id
-from .streams import DONE, EventStream, ServerClosing, sse
+from .streams import DONE, EventStream, Frames, ServerClosing, sse
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -94,6 +94,7 @@ async def _events(state, request, requests, head, prompts, want_logprobs, text_o
     prompt_tokens = sum(len(p) for p in prompts)
     aligners, generated, started = {}, 0, set()
     ids = request.return_token_ids
+    frames = Frames(CompletionResponse, CompletionChoice, head)
     try:
         async for i, chunk in requests.chunks():
             index = i * request.n + chunk.index
@@ -107,19 +108,18 @@ async def _events(state, request, requests, head, prompts, want_logprobs, text_o
                 continue
             if want_logprobs and logprobs is None:
                 logprobs = state.tokens.completion([])
-            choice = CompletionChoice(
-                index=index,
-                text=text,
-                logprobs=logprobs,
-                finish_reason=chunk.finish_reason if chunk.finished else None,
-            )
+            values = dict(index=index, text=text, finish_reason=chunk.finish_reason if chunk.finished else None)
             if ids:
-                choice.token_ids = [int(t) for t in chunk.token_ids]
+                values["token_ids"] = [int(t) for t in chunk.token_ids]
                 if index not in started:
                     started.add(index)
-                    choice.prompt_token_ids = list(prompts[i])
-            usage = _usage(prompt_tokens, generated) if usage_each else None
-            yield sse(CompletionResponse(**head, choices=[choice], usage=usage))
+                    values["prompt_token_ids"] = list(prompts[i])
+            if want_logprobs or usage_each:
+                usage = _usage(prompt_tokens, generated) if usage_each else None
+                choice = CompletionChoice(**values, logprobs=logprobs)
+                yield sse(CompletionResponse(**head, choices=[choice], usage=usage))
+            else:  # the usual chunk: only its choice is encoded (Frames)
+                yield frames.event(frames.choice(**values))
         if options and options.include_usage:
             yield sse(CompletionResponse(**head, choices=[], usage=_usage(prompt_tokens, generated)))
     except ServerClosing:  # the response has started: the error goes in the stream

@@ -27,6 +27,32 @@ def sse(payload) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+class Frames:
+    """The server-sent events of one streamed response, its fixed fields (``id``, ``object``,
+    ``created``, ``model``) JSON-encoded once instead of per chunk: ``event(choice)`` holds one
+    choice, a dict with ``choice_model``'s fields in their order (``choice(**values)``), and no
+    usage; the same JSON ``sse(response_model(**head, choices=[choice_model(**values)]))`` gives."""
+
+    _CHOICES = '"choices": []'
+
+    def __init__(self, response_model, choice_model, head: dict):
+        whole = json.dumps(response_model(**head, choices=[]).model_dump(), ensure_ascii=False)
+        prefix, marker, suffix = whole.rpartition(self._CHOICES)
+        if not marker or self._CHOICES in prefix:
+            raise ValueError(f"{response_model.__name__} does not dump its choices once as a list: {whole[:200]}")
+        self._prefix, self._suffix = "data: " + prefix + '"choices": [', "]" + suffix + "\n\n"
+        self._fields = dict.fromkeys(choice_model.model_fields)
+
+    def choice(self, **values) -> dict:
+        unknown = values.keys() - self._fields.keys()
+        if unknown:
+            raise TypeError(f"not a choice field: {sorted(unknown)}")
+        return {**self._fields, **values}
+
+    def event(self, choice: dict) -> str:
+        return self._prefix + json.dumps(choice, ensure_ascii=False) + self._suffix
+
+
 class ServerClosing(Exception):
     """The server is stopping and this request's grace period is over: its response ends now,
     with a 503 (or, once streaming, a last error event and ``[DONE]``)."""
@@ -55,13 +81,25 @@ class Requests:
         self.cancel()
         if self._queue is not None:
             self._queue.put_nowait((None, _CLOSING))
+        for stream in self.streams:
+            stream.interrupt_waiters(ServerClosing())
 
     async def chunks(self) -> AsyncIterator[Tuple[int, object]]:
-        """(prompt index, chunk) from every stream as the engine produces them."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queue = queue
+        """(prompt index, chunk) from every stream as the engine produces them: one stream's straight
+        from it (no task, no queue between: the usual request), several merged by a task each."""
         if self.interrupted:
             raise ServerClosing()
+        if len(self.streams) == 1:
+            stream = self.streams[0]
+            while not self.interrupted:
+                try:
+                    chunk = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield 0, chunk
+            raise ServerClosing()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
         end = object()
 
         async def pump(i, stream):
